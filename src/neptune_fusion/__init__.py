@@ -1,0 +1,25 @@
+"""neptune_fusion: fuse chains of reductions (attention and beyond) into single GPU kernels.
+
+Example:
+    >>> import neptune_fusion as nf
+    >>> @nf.program
+    ... def attention(q, k, v, scale):
+    ...     s = nf.einsum("bhqd,bhkd->bhqk", q, k) * scale
+    ...     p = nf.exp(s - s.max(axis=-1, keepdims=True))
+    ...     return nf.einsum("bhqk,bhkd->bhqd", p, v) / p.sum(axis=-1, keepdims=True)
+"""
+
+from neptune_fusion.lang.ops import (
+    abs_, cast, cos, einsum, exp, exp2, index, inf, log, log2, matmul, max, maximum, min,
+    minimum, rsqrt, sigmoid, sin, sqrt, sum, tanh, where,
+)
+from neptune_fusion.lang.trace import ProgramDef, program
+from neptune_fusion.runtime.reference import run_reference
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ProgramDef", "abs_", "cast", "cos", "einsum", "exp", "exp2", "index", "inf", "log", "log2",
+    "matmul", "max", "maximum", "min", "minimum", "program", "rsqrt", "run_reference", "sigmoid",
+    "sin", "sqrt", "sum", "tanh", "where",
+]

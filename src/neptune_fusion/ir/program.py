@@ -1,0 +1,165 @@
+"""Programs: a DAG of stages over named axes.
+
+A `Stage` writes one buffer over its spatial `axes`; its body is a scalar `Expr`
+(a `Reduce` at the top makes it a reduction). A `FusedLoop` is what the fusion
+transforms produce: several reductions along one axis computed in one loop,
+each with the repair function that corrects its accumulator when a running
+value it depends on changes.
+
+Example:
+    >>> from neptune_fusion.ir.expr import Index, Load, Reduce
+    >>> st = Stage("m", ("i",), Reduce("max", "j", Load("x", (Index("i"), Index("j")))))
+    >>> st.reduce_op
+    'max'
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field, replace
+from typing import Union
+
+from neptune_fusion.ir.expr import Expr, Reduce, loads_of
+
+
+@dataclass(frozen=True)
+class InputBuffer:
+    """A tensor argument. `dims` names the axis each dimension indexes (None: broadcast size 1)."""
+
+    name: str
+    dims: tuple[str | None, ...]
+    kind: str = "float"  # "float" | "int" | "bool"
+
+
+@dataclass(frozen=True)
+class Stage:
+    """`name[axes] = body`, where the body may be a `Reduce` over one more axis."""
+
+    name: str
+    axes: tuple[str, ...]
+    body: Expr
+
+    @property
+    def reduce_op(self) -> str | None:
+        return self.body.op if isinstance(self.body, Reduce) else None
+
+    @property
+    def reduce_axis(self) -> str | None:
+        return self.body.axis if isinstance(self.body, Reduce) else None
+
+    def reads(self) -> set[str]:
+        return loads_of(self.body)
+
+
+@dataclass(frozen=True)
+class FusedLoop:
+    """Reductions along `axis` fused into one loop with repair terms.
+
+    mode "rolling": one pass over the axis; members read the *running* values of
+    earlier members and repair their accumulators with `repairs[name]`.
+    mode "split_k": the axis is cut into `splits` chunks, each computed as a
+    rolling loop into private partial states, merged by the same repairs.
+    """
+
+    name: str
+    axis: str
+    members: tuple[Stage, ...]
+    producers: dict[str, tuple[str, ...]]
+    repairs: dict[str, Expr | None]
+    mode: str = "rolling"
+    splits: int = 1
+
+    def member(self, name: str) -> Stage:
+        for st in self.members:
+            if st.name == name:
+                return st
+        raise KeyError(name)
+
+    def reads(self) -> set[str]:
+        names = {m.name for m in self.members}
+        out: set[str] = set()
+        for m in self.members:
+            out |= m.reads()
+        return out - names
+
+    def __hash__(self) -> int:
+        return hash((self.name, self.axis, self.members, self.mode, self.splits))
+
+
+Node = Union[Stage, FusedLoop]
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """An output: the stage it comes from and the dims of the returned tensor (None: size 1)."""
+
+    stage: str
+    dims: tuple[str | None, ...]
+
+
+@dataclass
+class Program:
+    """A whole program: inputs, scalar parameters, stages in topological order, outputs."""
+
+    name: str
+    inputs: tuple[InputBuffer, ...]
+    params: tuple[str, ...]
+    stages: tuple[Node, ...]
+    outputs: tuple[OutputSpec, ...]
+    axis_sizes: dict[str, tuple[str, int]] = field(default_factory=dict)
+    param_kinds: dict[str, str] = field(default_factory=dict)
+
+    def stage(self, name: str) -> Stage:
+        for node in self.stages:
+            if isinstance(node, Stage) and node.name == name:
+                return node
+            if isinstance(node, FusedLoop):
+                for m in node.members:
+                    if m.name == name:
+                        return m
+        raise KeyError(f"program {self.name!r} has no stage {name!r}")
+
+    def input(self, name: str) -> InputBuffer:
+        for buf in self.inputs:
+            if buf.name == name:
+                return buf
+        raise KeyError(f"program {self.name!r} has no input {name!r}")
+
+    def all_stages(self) -> list[Stage]:
+        out: list[Stage] = []
+        for node in self.stages:
+            out.extend(node.members if isinstance(node, FusedLoop) else (node,))
+        return out
+
+    def producer_of(self, name: str) -> Node | None:
+        for node in self.stages:
+            if isinstance(node, Stage) and node.name == name:
+                return node
+            if isinstance(node, FusedLoop) and any(m.name == name for m in node.members):
+                return node
+        return None
+
+    def consumers(self, name: str) -> list[Node]:
+        return [n for n in self.stages if name in n.reads()]
+
+    def with_stages(self, stages: list[Node] | tuple[Node, ...]) -> Program:
+        return replace(self, stages=tuple(stages))
+
+    def fingerprint(self) -> str:
+        """A stable hash of the program's structure (used as the cache key)."""
+        from neptune_fusion.ir.printer import format_program
+
+        text = format_program(self) + repr(self.axis_sizes) + repr(self.inputs)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def validate(self) -> None:
+        """Check names resolve and stages come after what they read."""
+        known = {b.name for b in self.inputs}
+        for node in self.stages:
+            missing = node.reads() - known
+            if missing:
+                raise ValueError(f"stage {node.name!r} reads {sorted(missing)} before they are defined")
+            known |= {m.name for m in node.members} if isinstance(node, FusedLoop) else {node.name}
+        for out in self.outputs:
+            if out.stage not in known:
+                raise ValueError(f"output {out.stage!r} is not a stage")

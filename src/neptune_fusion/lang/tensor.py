@@ -1,0 +1,448 @@
+"""Symbolic tensors: what a traced program's tensor arguments become.
+
+A `SymTensor` is a lazy elementwise expression over its dimensions. Each
+dimension is a `Dim` variable; broadcasting and einsum unify dims (union-find),
+so after tracing every dimension of every tensor is known to be "the same axis"
+as others or not. Reductions and contractions materialise a new stage of the
+`Tracer`; elementwise ops only grow the expression.
+
+Example:
+    >>> import neptune_fusion as nf
+    >>> @nf.program
+    ... def softmax(x):
+    ...     e = nf.exp(x - x.max(axis=-1, keepdims=True))
+    ...     return e / e.sum(axis=-1, keepdims=True)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence, Union
+
+from neptune_fusion.ir.expr import (
+    Binary, Cast, Const, Expr, Index, Load, Reduce, Unary, Where, as_expr,
+)
+
+
+class Dim:
+    """A dimension variable; `find()` gives its representative after unification."""
+
+    _counter = 0
+
+    def __init__(self, size: int, hint: str) -> None:
+        Dim._counter += 1
+        self.uid = Dim._counter
+        self.size = size
+        self.hint = hint
+        self.parent: Dim | None = None
+        self.letters: list[str] = []
+
+    def find(self) -> Dim:
+        node = self
+        while node.parent is not None:
+            node = node.parent
+        return node
+
+    @property
+    def var(self) -> str:
+        return f"_d{self.uid}"
+
+    def __repr__(self) -> str:
+        return f"Dim({self.hint}, {self.size})"
+
+
+def unify(a: Dim, b: Dim, where: str) -> None:
+    ra, rb = a.find(), b.find()
+    if ra is rb:
+        return
+    if ra.size != rb.size:
+        raise ValueError(f"{where}: dimension sizes {ra.size} and {rb.size} do not match")
+    rb.parent = ra
+    ra.letters.extend(rb.letters)
+
+
+Scalar = Union[int, float, bool]
+
+
+@dataclass
+class SymTensor:
+    """A symbolic tensor: `dims` (None marks a broadcast size-1 dim) and an element expression."""
+
+    dims: tuple[Dim | None, ...]
+    expr: Expr
+    tracer: object
+    kind: str = "float"  # "float" | "int" | "bool"
+
+    @property
+    def ndim(self) -> int:
+        return len(self.dims)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(1 if d is None else d.size for d in self.dims)
+
+    # arithmetic ------------------------------------------------------------
+    def __add__(self, o: TensorLike) -> SymTensor:
+        return binary("add", self, o)
+
+    def __radd__(self, o: TensorLike) -> SymTensor:
+        return binary("add", o, self)
+
+    def __sub__(self, o: TensorLike) -> SymTensor:
+        return binary("sub", self, o)
+
+    def __rsub__(self, o: TensorLike) -> SymTensor:
+        return binary("sub", o, self)
+
+    def __mul__(self, o: TensorLike) -> SymTensor:
+        return binary("mul", self, o)
+
+    def __rmul__(self, o: TensorLike) -> SymTensor:
+        return binary("mul", o, self)
+
+    def __truediv__(self, o: TensorLike) -> SymTensor:
+        return binary("div", self, o)
+
+    def __rtruediv__(self, o: TensorLike) -> SymTensor:
+        return binary("div", o, self)
+
+    def __floordiv__(self, o: TensorLike) -> SymTensor:
+        return binary("floordiv", self, o)
+
+    def __mod__(self, o: TensorLike) -> SymTensor:
+        return binary("mod", self, o)
+
+    def __pow__(self, o: TensorLike) -> SymTensor:
+        return binary("pow", self, o)
+
+    def __neg__(self) -> SymTensor:
+        return unary("neg", self)
+
+    def __abs__(self) -> SymTensor:
+        return unary("abs", self)
+
+    def __lt__(self, o: TensorLike) -> SymTensor:  # type: ignore[override]
+        return binary("lt", self, o)
+
+    def __le__(self, o: TensorLike) -> SymTensor:  # type: ignore[override]
+        return binary("le", self, o)
+
+    def __gt__(self, o: TensorLike) -> SymTensor:  # type: ignore[override]
+        return binary("gt", self, o)
+
+    def __ge__(self, o: TensorLike) -> SymTensor:  # type: ignore[override]
+        return binary("ge", self, o)
+
+    def __eq__(self, o: object) -> SymTensor:  # type: ignore[override]
+        return binary("eq", self, o)  # type: ignore[arg-type]
+
+    def __ne__(self, o: object) -> SymTensor:  # type: ignore[override]
+        return binary("ne", self, o)  # type: ignore[arg-type]
+
+    def __and__(self, o: TensorLike) -> SymTensor:
+        return binary("and", self, o)
+
+    def __or__(self, o: TensorLike) -> SymTensor:
+        return binary("or", self, o)
+
+    def __invert__(self) -> SymTensor:
+        return unary("not", self)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __bool__(self) -> bool:
+        raise TypeError(
+            "a symbolic tensor has no truth value while tracing; use nf.where(cond, a, b) "
+            "instead of Python `if`/`and`/`or`"
+        )
+
+    # reductions and views ----------------------------------------------------
+    def sum(self, axis: int = -1, keepdims: bool = False) -> SymTensor:
+        return reduce("sum", self, axis, keepdims)
+
+    def max(self, axis: int = -1, keepdims: bool = False) -> SymTensor:
+        return reduce("max", self, axis, keepdims)
+
+    def min(self, axis: int = -1, keepdims: bool = False) -> SymTensor:
+        return reduce("min", self, axis, keepdims)
+
+    def exp(self) -> SymTensor:
+        return unary("exp", self)
+
+    def transpose(self, a: int, b: int) -> SymTensor:
+        dims = list(self.dims)
+        a, b = _norm_axis(a, self.ndim), _norm_axis(b, self.ndim)
+        dims[a], dims[b] = dims[b], dims[a]
+        return SymTensor(tuple(dims), self.expr, self.tracer, self.kind)
+
+    @property
+    def mT(self) -> SymTensor:  # noqa: N802 - torch's name
+        return self.transpose(-1, -2)
+
+    def unsqueeze(self, axis: int) -> SymTensor:
+        axis = axis if axis >= 0 else self.ndim + 1 + axis
+        dims = list(self.dims)
+        dims.insert(axis, None)
+        return SymTensor(tuple(dims), self.expr, self.tracer, self.kind)
+
+    def __getitem__(self, key: object) -> SymTensor:
+        keys = key if isinstance(key, tuple) else (key,)
+        dims: list[Dim | None] = []
+        source = list(self.dims)
+        expr = self.expr
+        for k in keys:
+            if k is None:
+                dims.append(None)
+            elif k is Ellipsis:
+                rest = sum(1 for x in keys if x is not None and x is not Ellipsis)
+                take = len(source) - rest
+                dims.extend(source[:take])
+                source = source[take:]
+            elif isinstance(k, slice) and k == slice(None):
+                dims.append(source.pop(0))
+            elif isinstance(k, int) and not isinstance(k, bool) and k in (0, -1) and (
+                source[0] is None or source[0].find().size == 1
+            ):
+                dropped = source.pop(0)
+                if dropped is not None:
+                    from neptune_fusion.ir.expr import substitute_index
+
+                    expr = substitute_index(expr, {dropped.var: Const(0)})
+            else:
+                raise TypeError(
+                    "symbolic tensors support indexing only with ':', '...', None and 0 on a size-1 dim "
+                    f"(got {k!r}); write gathers as loads of an index expression"
+                )
+        dims.extend(source)
+        return SymTensor(tuple(dims), expr, self.tracer, self.kind)
+
+    def to(self, dtype: object) -> SymTensor:
+        return cast(self, dtype)
+
+    def float(self) -> SymTensor:
+        return cast(self, "f32")
+
+
+TensorLike = Union[SymTensor, Scalar]
+
+
+def _norm_axis(axis: int, ndim: int) -> int:
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"axis {axis} is out of range for a tensor of rank {ndim}")
+    return axis % ndim
+
+
+def _tracer_of(*values: object) -> object:
+    for v in values:
+        if isinstance(v, SymTensor):
+            return v.tracer
+    raise TypeError("expected at least one symbolic tensor")
+
+
+def lift(value: TensorLike, tracer: object) -> SymTensor:
+    """Wrap a Python scalar (or a scalar `Param` expression) as a rank-0 tensor."""
+    if isinstance(value, SymTensor):
+        return value
+    if isinstance(value, Expr):
+        return SymTensor((), value, tracer)
+    if isinstance(value, bool):
+        return SymTensor((), Const(value), tracer, "bool")
+    if isinstance(value, int):
+        return SymTensor((), Const(value), tracer, "int")
+    if isinstance(value, float):
+        return SymTensor((), Const(value), tracer)
+    raise TypeError(f"cannot use a value of type {type(value).__name__} in a traced program")
+
+
+def broadcast(tensors: Sequence[SymTensor], what: str) -> tuple[tuple[Dim | None, ...], list[Expr]]:
+    """Right-align and broadcast `tensors`; return the result dims and each operand's expr."""
+    ndim = max(t.ndim for t in tensors)
+    out: list[Dim | None] = [None] * ndim
+    for t in tensors:
+        for pos, dim in enumerate(t.dims, start=ndim - t.ndim):
+            if dim is None:
+                continue
+            cur = out[pos]
+            if cur is None:
+                out[pos] = dim
+            elif cur.find().size == 1 and dim.find().size != 1:
+                out[pos] = dim
+            elif dim.find().size == 1 and cur.find().size != 1:
+                continue
+            else:
+                unify(cur, dim, f"{what}: broadcasting dimension {pos - ndim}")
+    exprs = []
+    for t in tensors:
+        expr = t.expr
+        mapping: dict[str, Expr] = {}
+        for pos, dim in enumerate(t.dims, start=ndim - t.ndim):
+            target = out[pos]
+            if dim is not None and target is not None and dim.find() is not target.find():
+                mapping[dim.var] = Const(0)  # a size-1 dim broadcast against a larger one
+        if mapping:
+            from neptune_fusion.ir.expr import substitute_index
+
+            expr = substitute_index(expr, mapping)
+        exprs.append(expr)
+    return tuple(out), exprs
+
+
+def _result_kind(op: str, kinds: Sequence[str]) -> str:
+    from neptune_fusion.ir.expr import COMPARISONS
+
+    if op in COMPARISONS or op == "not":
+        return "bool"
+    if op in ("and", "or"):
+        return "bool" if all(k == "bool" for k in kinds) else "int"
+    if all(k in ("int", "bool") for k in kinds) and op in ("add", "sub", "mul", "floordiv", "mod", "max", "min", "neg", "abs"):
+        return "int"
+    return "float"
+
+
+def binary(op: str, a: TensorLike, b: TensorLike) -> SymTensor:
+    tracer = _tracer_of(a, b)
+    ta, tb = lift(a, tracer), lift(b, tracer)
+    dims, (ea, eb) = broadcast([ta, tb], op)
+    return SymTensor(dims, Binary(op, ea, eb), tracer, _result_kind(op, (ta.kind, tb.kind)))
+
+
+def unary(op: str, x: TensorLike) -> SymTensor:
+    tracer = _tracer_of(x)
+    tx = lift(x, tracer)
+    return SymTensor(tx.dims, Unary(op, tx.expr), tracer, _result_kind(op, (tx.kind,)))
+
+
+def where(cond: TensorLike, a: TensorLike, b: TensorLike) -> SymTensor:
+    """Elementwise select: `a` where `cond` holds, else `b` (all three broadcast)."""
+    tracer = _tracer_of(cond, a, b)
+    tc, ta, tb = lift(cond, tracer), lift(a, tracer), lift(b, tracer)
+    dims, (ec, ea, eb) = broadcast([tc, ta, tb], "where")
+    kind = "float" if "float" in (ta.kind, tb.kind) else ta.kind
+    return SymTensor(dims, Where(ec, ea, eb), tracer, kind)
+
+
+_DTYPE_NAMES = {
+    "float32": "f32", "float16": "f16", "bfloat16": "bf16", "int32": "i32", "int64": "i64",
+    "bool": "bool", "f32": "f32", "f16": "f16", "bf16": "bf16", "i32": "i32", "i64": "i64",
+    "float": "f32", "half": "f16",
+}
+
+
+def dtype_name(dtype: object) -> str:
+    """Our short dtype name for a torch dtype or a string ('float16' -> 'f16')."""
+    key = str(dtype).replace("torch.", "")
+    if key not in _DTYPE_NAMES:
+        raise TypeError(f"unsupported dtype {dtype!r}")
+    return _DTYPE_NAMES[key]
+
+
+def cast(x: SymTensor, dtype: object) -> SymTensor:
+    name = dtype_name(dtype)
+    kind = "bool" if name == "bool" else ("int" if name.startswith("i") else "float")
+    return SymTensor(x.dims, Cast(x.expr, name), x.tracer, kind)
+
+
+def reduce(op: str, x: SymTensor, axis: int, keepdims: bool) -> SymTensor:
+    """Reduce `x` along `axis` with `op`; materialises a reduction stage."""
+    axis = _norm_axis(axis, x.ndim)
+    dim = x.dims[axis]
+    tracer = x.tracer
+    if dim is None:  # reducing a broadcast size-1 dim is the identity
+        dims = x.dims[:axis] + ((None,) if keepdims else ()) + x.dims[axis + 1:]
+        return SymTensor(dims, x.expr, tracer, x.kind)
+    operand = tracer.materialize(x)  # type: ignore[attr-defined]
+    out_dims = tuple(d for i, d in enumerate(x.dims) if i != axis)
+    body = Reduce(op, dim.var, operand.expr)
+    result = tracer.stage(out_dims, body, x.kind)  # type: ignore[attr-defined]
+    if keepdims:
+        result = SymTensor(out_dims[:axis] + (None,) + out_dims[axis:], result.expr, tracer, result.kind)
+    return result
+
+
+def einsum(spec: str, *operands: SymTensor) -> SymTensor:
+    """Einstein summation over symbolic tensors; letters missing from the output are summed."""
+    if "->" not in spec:
+        raise ValueError("einsum needs an explicit output ('ab,bc->ac')")
+    lhs, out = spec.replace(" ", "").split("->")
+    terms = lhs.split(",")
+    if len(terms) != len(operands):
+        raise ValueError(f"einsum {spec!r} names {len(terms)} operands but got {len(operands)}")
+    tracer = _tracer_of(*operands)
+    letters: dict[str, Dim] = {}
+    exprs: list[Expr] = []
+    for term, op in zip(terms, operands):
+        op = lift(op, tracer)
+        if len(term) != op.ndim:
+            raise ValueError(f"einsum {spec!r}: operand {term!r} has rank {op.ndim}")
+        op = tracer.materialize(op)  # type: ignore[attr-defined]
+        mapping: dict[str, Expr] = {}
+        for letter, dim in zip(term, op.dims):
+            if dim is None:
+                continue
+            if letter in letters:
+                known = letters[letter]
+                if known.find().size == 1 and dim.find().size != 1:
+                    letters[letter] = dim
+                elif dim.find().size == 1 and known.find().size != 1:
+                    mapping[dim.var] = Const(0)
+                    continue
+                else:
+                    unify(known, dim, f"einsum {spec!r}: letter {letter!r}")
+            else:
+                letters[letter] = dim
+                dim.find().letters.append(letter)
+        exprs.append(op.expr)
+        if mapping:
+            from neptune_fusion.ir.expr import substitute_index
+
+            exprs[-1] = substitute_index(exprs[-1], mapping)
+    body: Expr = exprs[0]
+    for e in exprs[1:]:
+        body = Binary("mul", body, e)
+    summed = [ch for ch in dict.fromkeys("".join(terms)) if ch not in out and ch in letters]
+    for letter in reversed(summed):
+        body = Reduce("sum", letters[letter].var, body)
+    dims = tuple(letters.get(ch) for ch in out)
+    if any(ch not in letters for ch in out):
+        raise ValueError(f"einsum {spec!r}: output letter not found in the inputs")
+    if not summed:
+        return SymTensor(dims, body, tracer)
+    return tracer.stage(dims, body, "float")  # type: ignore[attr-defined]
+
+
+def matmul(a: SymTensor, b: SymTensor) -> SymTensor:
+    """Batched matrix product `a @ b` (batch dims broadcast)."""
+    if a.ndim < 2 or b.ndim < 2:
+        raise ValueError("matmul needs operands of rank >= 2")
+    letters = "abcdefghijklmnopqrstuvw"
+    nb = max(a.ndim, b.ndim) - 2
+    batch = letters[:nb]
+    sa = batch[nb - (a.ndim - 2):] + "xy"
+    sb = batch[nb - (b.ndim - 2):] + "yz"
+    return einsum(f"{sa},{sb}->{batch}xz", a, b)
+
+
+def index(x: SymTensor, axis: int) -> SymTensor:
+    """The position along `axis` of `x`, as an integer tensor that broadcasts against `x`.
+
+    Example: causal masking on scores `s[b, h, q, k]`:
+        >>> # nf.where(nf.index(s, -2) >= nf.index(s, -1), s, -math.inf)
+    """
+    axis = _norm_axis(axis, x.ndim)
+    dim = x.dims[axis]
+    dims = tuple(d if i == axis else None for i, d in enumerate(x.dims))
+    if dim is None:
+        return SymTensor(dims, Const(0), x.tracer, "int")
+    return SymTensor(dims, Index(dim.var), x.tracer, "int")
+
+
+inf = math.inf
+
+
+def scalar_expr(value: Scalar) -> Expr:
+    return as_expr(value)
+
+
+def _load(name: str, dims: tuple[Dim | None, ...]) -> Load:
+    return Load(name, tuple(Const(0) if d is None else Index(d.var) for d in dims))

@@ -1,0 +1,245 @@
+"""Tracing plain Python functions over symbolic tensors into a `Program`.
+
+Example:
+    >>> import torch, neptune_fusion as nf
+    >>> @nf.program
+    ... def rowmax(x):
+    ...     return x.max(axis=-1)
+    >>> prog = rowmax.trace(torch.randn(4, 8))
+    >>> [s.name for s in prog.stages]
+    ['max0']
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from neptune_fusion.ir.expr import (
+    Expr, Index, Load, Param, Reduce, rebuild, transform_bottom_up,
+)
+from neptune_fusion.ir.program import InputBuffer, OutputSpec, Program, Stage
+from neptune_fusion.lang.tensor import Dim, SymTensor, _load, dtype_name
+
+
+@dataclass(frozen=True)
+class ArgSpec:
+    """What tracing needs to know about one argument: a tensor's shape and kind, or a scalar's kind."""
+
+    name: str
+    shape: tuple[int, ...] | None  # None: a scalar parameter
+    kind: str  # "float" | "int" | "bool"
+
+
+def spec_of(name: str, value: Any) -> ArgSpec:
+    """The trace-relevant description of a runtime argument (torch tensor or Python scalar)."""
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        dt = dtype_name(value.dtype)
+        kind = "bool" if dt == "bool" else ("int" if dt.startswith("i") else "float")
+        return ArgSpec(name, tuple(int(s) for s in value.shape), kind)
+    if isinstance(value, bool):
+        raise TypeError(f"argument {name!r}: boolean scalars are not supported; pass 0 or 1")
+    if isinstance(value, int):
+        return ArgSpec(name, None, "int")
+    if isinstance(value, float):
+        return ArgSpec(name, None, "float")
+    raise TypeError(
+        f"argument {name!r} has type {type(value).__name__}; expected a torch tensor or a Python number"
+    )
+
+
+class Tracer:
+    """Collects stages while a function runs on symbolic tensors."""
+
+    def __init__(self) -> None:
+        self.stages: list[Stage] = []
+        self.counts: dict[str, int] = {}
+        self.inputs: list[tuple[str, tuple[Dim, ...], str]] = []
+        self.memo: dict[tuple[Expr, tuple[str | None, ...]], SymTensor] = {}
+
+    def fresh(self, prefix: str) -> str:
+        n = self.counts.get(prefix, 0)
+        self.counts[prefix] = n + 1
+        return f"{prefix}{n}"
+
+    def input(self, name: str, shape: tuple[int, ...], kind: str) -> SymTensor:
+        dims = tuple(Dim(size, f"{name}.{i}") for i, size in enumerate(shape))
+        self.inputs.append((name, dims, kind))
+        return SymTensor(dims, _load(name, dims), self, kind)
+
+    def stage(self, dims: tuple[Dim | None, ...], body: Expr, kind: str) -> SymTensor:
+        key = (body, tuple(d.var if d is not None else None for d in dims))
+        if key in self.memo:  # the same value used twice is one stage
+            return self.memo[key]
+        real = tuple(d for d in dims if d is not None)
+        if isinstance(body, Reduce):
+            prefix = "dot" if isinstance(body.body, Expr) and _is_product(body.body) and body.op == "sum" else body.op
+        else:
+            prefix = "ew"
+        name = self.fresh(prefix)
+        self.stages.append(Stage(name, tuple(d.var for d in real), body))
+        self.memo[key] = SymTensor(dims, _load(name, dims), self, kind)
+        return self.memo[key]
+
+    def materialize(self, x: SymTensor) -> SymTensor:
+        """Make `x` a load of a buffer (creating an elementwise stage if it is an expression)."""
+        if isinstance(x.expr, Load) and _is_plain_load(x):
+            return x
+        return self.stage(x.dims, x.expr, x.kind)
+
+
+def _is_product(expr: Expr) -> bool:
+    from neptune_fusion.ir.expr import Binary
+
+    return isinstance(expr, Binary) and expr.op == "mul"
+
+
+def _is_plain_load(x: SymTensor) -> bool:
+    real = [d.var for d in x.dims if d is not None]
+    idx = [i.axis for i in x.expr.index if isinstance(i, Index)]  # type: ignore[attr-defined]
+    return idx == real and len(idx) == len(x.expr.index)  # type: ignore[attr-defined]
+
+
+def _rename_axes(expr: Expr, names: dict[str, str]) -> Expr:
+    def rule(node: Expr) -> Expr | None:
+        if isinstance(node, Index) and node.axis in names:
+            return Index(names[node.axis])
+        if isinstance(node, Reduce) and node.axis in names:
+            return Reduce(node.op, names[node.axis], node.body)
+        return None
+
+    return transform_bottom_up(expr, rule)
+
+
+def trace(fn: Callable[..., Any], specs: Sequence[ArgSpec], name: str | None = None) -> Program:
+    """Run `fn` on symbolic tensors described by `specs` and return the traced Program."""
+    tracer = Tracer()
+    args: list[Any] = []
+    params: list[str] = []
+    param_kinds: dict[str, str] = {}
+    for spec in specs:
+        if spec.shape is None:
+            params.append(spec.name)
+            param_kinds[spec.name] = spec.kind
+            args.append(SymTensor((), Param(spec.name), tracer, spec.kind))
+        else:
+            args.append(tracer.input(spec.name, spec.shape, spec.kind))
+    result = fn(*args)
+    results = result if isinstance(result, tuple) else (result,)
+    outputs: list[OutputSpec] = []
+    for r in results:
+        if not isinstance(r, SymTensor):
+            raise TypeError(f"a traced program must return symbolic tensors, got {type(r).__name__}")
+        loaded = tracer.materialize(r) if r.dims and any(d is not None for d in r.dims) else None
+        if loaded is None:
+            raise ValueError("a program output must have at least one non-broadcast dimension")
+        if loaded.expr.buffer in {n for n, _, _ in tracer.inputs}:  # type: ignore[attr-defined]
+            loaded = tracer.stage(loaded.dims, loaded.expr, loaded.kind)
+        outputs.append(OutputSpec(loaded.expr.buffer, tuple(d.var if d else None for d in loaded.dims)))  # type: ignore[attr-defined]
+    return _finalize(tracer, outputs, params, param_kinds, name or getattr(fn, "__name__", "program"))
+
+
+def _finalize(
+    tracer: Tracer, outputs: list[OutputSpec], params: list[str], param_kinds: dict[str, str], name: str
+) -> Program:
+    # Give every class of unified dims one readable name (an einsum letter where there is one).
+    roots: dict[int, Dim] = {}
+    all_dims: list[Dim] = []
+    for _, dims, _ in tracer.inputs:
+        all_dims.extend(dims)
+    for d in all_dims:
+        roots.setdefault(d.find().uid, d.find())
+    taken: set[str] = set()
+    root_name: dict[int, str] = {}
+    for uid, root in roots.items():
+        base = root.letters[0] if root.letters else f"a{len(root_name)}"
+        cand, n = base, 2
+        while cand in taken:
+            cand, n = f"{base}{n}", n + 1
+        taken.add(cand)
+        root_name[uid] = cand
+    names = {d.var: root_name[d.find().uid] for d in all_dims}
+
+    stages = []
+    for st in tracer.stages:
+        axes = tuple(names[a] for a in st.axes)
+        if len(set(axes)) != len(axes):
+            raise ValueError(f"stage {st.name!r} indexes the same axis twice ({axes}); this is not supported")
+        stages.append(Stage(st.name, axes, _rename_axes(st.body, names)))
+    inputs = tuple(InputBuffer(n, tuple(names[d.var] for d in dims), kind) for n, dims, kind in tracer.inputs)
+    axis_sizes: dict[str, tuple[str, int]] = {}
+    for n, dims, _ in tracer.inputs:
+        for i, d in enumerate(dims):
+            axis_sizes.setdefault(names[d.var], (n, i))
+    outs = tuple(OutputSpec(o.stage, tuple(names[d] if d else None for d in o.dims)) for o in outputs)
+    # Keep only stages reachable from the outputs.
+    needed = {o.stage for o in outs}
+    kept: list[Stage] = []
+    for st in reversed(stages):
+        if st.name in needed:
+            kept.append(st)
+            needed |= st.reads()
+    prog = Program(name, inputs, tuple(params), tuple(reversed(kept)), outs, axis_sizes, param_kinds)
+    prog.validate()
+    return prog
+
+
+class ProgramDef:
+    """A plain function marked with `@nf.program`; traced on first use for given argument kinds."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.name = fn.__name__
+        self.signature = inspect.signature(fn)
+        self.__doc__ = fn.__doc__
+        self._cache: dict[tuple[ArgSpec, ...], Program] = {}
+
+    def bind(self, *args: Any, **kwargs: Any) -> list[tuple[str, Any]]:
+        """Match call arguments to the function's parameters, in order."""
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return list(bound.arguments.items())
+
+    def specs(self, *args: Any, **kwargs: Any) -> tuple[ArgSpec, ...]:
+        return tuple(spec_of(n, v) for n, v in self.bind(*args, **kwargs))
+
+    def trace(self, *args: Any, **kwargs: Any) -> Program:
+        """The Program for arguments like these (torch tensors or example shapes/scalars)."""
+        specs = self.specs(*args, **kwargs)
+        return self.trace_specs(specs)
+
+    def trace_specs(self, specs: tuple[ArgSpec, ...]) -> Program:
+        key = tuple(ArgSpec(s.name, _shape_key(s.shape), s.kind) for s in specs)
+        if key not in self._cache:
+            self._cache[key] = trace(self.fn, specs, self.name)
+        return self._cache[key]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from neptune_fusion.runtime.reference import run_reference
+
+        named = self.bind(*args, **kwargs)
+        prog = self.trace(*args, **kwargs)
+        return run_reference(prog, dict(named))
+
+
+def _shape_key(shape: tuple[int, ...] | None) -> tuple[int, ...] | None:
+    # A trace depends on sizes only through which dims are 1 (broadcast) and which match.
+    return shape
+
+
+def program(fn: Callable[..., Any]) -> ProgramDef:
+    """Mark a plain function as a neptune_fusion program.
+
+    Example:
+        >>> import neptune_fusion as nf
+        >>> @nf.program
+        ... def logsumexp(x):
+        ...     m = x.max(axis=-1, keepdims=True)
+        ...     return (m + nf.log(nf.exp(x - m).sum(axis=-1, keepdims=True)))[..., 0]
+    """
+    return ProgramDef(fn)
+
+
+def rebuild_expr(expr: Expr, kids: tuple[Expr, ...]) -> Expr:
+    return rebuild(expr, kids)
