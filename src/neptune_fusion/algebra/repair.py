@@ -1,0 +1,129 @@
+"""Derivation and proof of repair functions (DESIGN.md section 1).
+
+For a reduction `X = f_j g(R, c_j)` that reads running values `R` of earlier
+reductions along the same axis, find `h(t, r, r')` with
+  (1) replacement: h(g(r, c), r, r') = g(r', c), and
+  (2) distribution: h(f(x, y), r, r') = f(h(x, r, r'), h(y, r, r')).
+`g` is split as gcomb(gx(r), gu(c)) with gcomb `*` (when g(r')/g(r) is free of c)
+or `+` (when g(r') - g(r) is free of c); h inverts gx and applies it at r'.
+(1) then holds by construction and is re-checked; (2) is proved with SymPy.
+
+Example:
+    >>> from neptune_fusion.ir.expr import Index, Load, Unary
+    >>> g = Unary("exp", Load("s", (Index("j"),)) - Load("m", ()))
+    >>> from neptune_fusion.ir.printer import format_expr
+    >>> format_expr(derive_repair("l", "sum", "j", g, ("m",)).h)
+    't * exp(m.old - m.new)'
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from neptune_fusion.algebra import symbolic as S
+from neptune_fusion.ir.errors import FusionError
+from neptune_fusion.ir.expr import Expr
+from neptune_fusion.ir.printer import format_expr
+
+
+@dataclass(frozen=True)
+class Repair:
+    """A derived repair: `h` uses Accumulator() for t and Running(p, 'old'/'new') for r, r'."""
+
+    h: Expr
+    combine: str  # "*" or "+": how g splits into gx(r) and gu(c)
+    proof: str
+
+
+def derive_repair(stage: str, reducer: str, axis: str, g: Expr, producers: tuple[str, ...]) -> Repair:
+    """Derive and prove the repair of reduction `stage` (`reducer` over `axis` of `g`).
+
+    Raises FusionError naming the stage, the reduction and the condition that failed.
+    """
+    return _derive_cached(stage, reducer, axis, g, tuple(sorted(producers)))
+
+
+@functools.lru_cache(maxsize=1024)
+def _derive_cached(stage: str, reducer: str, axis: str, g: Expr, producers: tuple[str, ...]) -> Repair:
+    where = f"{reducer} over {axis}"
+
+    def fail(condition: str) -> FusionError:
+        return FusionError("repair derivation", stage, where, condition)
+
+    try:
+        g_old, table = S.to_sympy(g, set(producers))
+    except S.NotAlgebraic as exc:
+        raise fail(f"the map {format_expr(g)} uses {exc} which the algebra cannot reason about") from None
+    constants = set(table.opaque.values())
+    new_of = {table.old(p): table.new(p) for p in producers}
+    g_new = g_old.subs(new_of)
+    t = S.symbol("t")
+
+    candidates: list[tuple[str, object]] = []
+    ratio = S.simplify(g_new / g_old)
+    if not (ratio.free_symbols & constants) and ratio.is_finite is not False:
+        candidates.append(("*", t * ratio))
+    diff = S.simplify(g_new - g_old)
+    if not (diff.free_symbols & constants):
+        candidates.append(("+", t + diff))
+    if not candidates:
+        raise fail(
+            f"no repair function: the map {format_expr(g)} (as {g_old}) splits neither as "
+            f"gx({', '.join(producers)}) * gu(c) nor as gx(...) + gu(c), so a change of the running "
+            f"value(s) cannot be corrected without the individual terms"
+        )
+    failures: list[str] = []
+    for combine, h in candidates:
+        h_of_g = h.subs(t, g_old)
+        if not S.is_zero(h_of_g - g_new):  # condition (1): replacement
+            failures.append(f"h(t) = {h} fails replacement h(g(r)) = g(r')")
+            continue
+        ok, proof = _distributes(h, t, reducer)
+        if ok:
+            return Repair(S.from_sympy(h, table), combine, f"g splits with '{combine}'; h = {h}; {proof}")
+        failures.append(proof)
+    raise fail("repair fails distribution over the reducer: " + "; ".join(failures))
+
+
+def _distributes(h: object, t: object, reducer: str) -> tuple[bool, str]:
+    """Condition (2): does h(., r, r') distribute over `reducer`? Returns (proved, reason)."""
+    x, y = S.symbol("x"), S.symbol("y")
+    hx, hy = h.subs(t, x), h.subs(t, y)  # type: ignore[attr-defined]
+    if reducer == "sum":
+        if S.is_zero(h.subs(t, x + y) - hx - hy):  # type: ignore[attr-defined]
+            return True, "h(x + y) = h(x) + h(y) (h is linear in t)"
+        return False, f"h = {h} is not linear in t, so it does not distribute over sum"
+    if reducer == "prod":
+        if S.is_zero(h.subs(t, x * y) - hx * hy):  # type: ignore[attr-defined]
+            return True, "h(x * y) = h(x) * h(y)"
+        return False, f"h = {h} is not multiplicative in t, so it does not distribute over prod"
+    if reducer in ("max", "min"):
+        slope = S.derivative(h, t)  # type: ignore[arg-type]
+        if S.is_nonnegative(slope):
+            return True, f"dh/dt = {slope} >= 0, so h is monotone and commutes with {reducer}"
+        return False, f"h = {h} is not provably monotone in t (dh/dt = {slope}), so it may not commute with {reducer}"
+    return False, f"unknown reducer {reducer!r}"
+
+
+def contribution_vanishes(g: Expr, masked: Expr, value: float, identity: float, producers: tuple[str, ...]) -> bool:
+    """True when g, with the subexpression `masked` set to `value` (+-inf), equals the reducer identity.
+
+    Proves that a fully masked tile adds nothing to a reduction, so the loop may skip it.
+    """
+    from neptune_fusion.ir.expr import Load, transform_bottom_up
+
+    marker = "__masked__"
+    replaced = transform_bottom_up(g, lambda node: Load(marker, ()) if node == masked else None)
+    try:
+        sym, table = S.to_sympy(replaced, set(producers) | {marker})
+    except S.NotAlgebraic:
+        return False
+    inf = -S.NEG_INF
+    try:
+        at = S.limit_value(sym.subs(table.old(marker), -inf if value < 0 else inf))
+    except Exception:  # noqa: BLE001 - sympy raises many types on undefined forms
+        return False
+    if identity == 0:
+        return bool(at == 0)
+    return bool(at == (-inf if identity < 0 else inf))

@@ -1,0 +1,186 @@
+"""The bridge between IR expressions and SymPy: the only module that imports SymPy.
+
+Subexpressions that do not involve the chosen "running" buffers are abstracted as
+opaque real symbols, so only the part of a map that matters to the algebra is
+translated.
+
+Example:
+    >>> from neptune_fusion.ir.expr import Index, Load, Unary
+    >>> g = Unary("exp", Load("x", (Index("j"),)) - Load("m", ()))
+    >>> sym, table = to_sympy(g, running={"m"})
+    >>> str(sym)
+    'exp(c0 - r_m)'
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import sympy as sp
+
+from neptune_fusion.ir.expr import (
+    Accumulator, Binary, Cast, Const, Expr, Load, Running, Unary, Where, loads_of,
+)
+
+
+class NotAlgebraic(Exception):
+    """An expression uses an operation the algebra does not model."""
+
+
+@dataclass
+class SymbolTable:
+    """Which sympy symbol stands for which IR expression."""
+
+    opaque: dict[Expr, sp.Symbol] = field(default_factory=dict)
+    running: dict[str, sp.Symbol] = field(default_factory=dict)
+    running_new: dict[str, sp.Symbol] = field(default_factory=dict)
+
+    def old(self, name: str) -> sp.Symbol:
+        return self.running.setdefault(name, sp.Symbol(f"r_{name}", real=True))
+
+    def new(self, name: str) -> sp.Symbol:
+        return self.running_new.setdefault(name, sp.Symbol(f"r_{name}'", real=True))
+
+    def constant(self, expr: Expr) -> sp.Symbol:
+        if expr not in self.opaque:
+            self.opaque[expr] = sp.Symbol(f"c{len(self.opaque)}", real=True)
+        return self.opaque[expr]
+
+
+_UNARY: dict[str, Any] = {
+    "neg": lambda x: -x, "exp": sp.exp, "exp2": lambda x: sp.Integer(2) ** x, "log": sp.log,
+    "log2": lambda x: sp.log(x, 2), "tanh": sp.tanh, "sigmoid": lambda x: 1 / (1 + sp.exp(-x)),
+    "sqrt": sp.sqrt, "rsqrt": lambda x: 1 / sp.sqrt(x), "abs": sp.Abs, "sin": sp.sin,
+    "cos": sp.cos, "recip": lambda x: 1 / x,
+}
+_BINARY: dict[str, Any] = {
+    "add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
+    "div": lambda a, b: a / b, "pow": lambda a, b: a**b, "max": sp.Max, "min": sp.Min,
+}
+
+
+def to_sympy(expr: Expr, running: set[str], table: SymbolTable | None = None) -> tuple[sp.Expr, SymbolTable]:
+    """Translate `expr`; loads of `running` buffers become r_<name>, the rest opaque symbols."""
+    table = table or SymbolTable()
+
+    def go(node: Expr) -> sp.Expr:
+        if isinstance(node, Accumulator):
+            return sp.Symbol("t", real=True)
+        if isinstance(node, Running):
+            return table.old(node.stage) if node.which == "old" else table.new(node.stage)
+        if not (loads_of(node) & running):
+            if isinstance(node, Const) and not isinstance(node.value, bool):
+                return sp.nsimplify(node.value) if isinstance(node.value, int) else sp.Float(node.value)
+            return table.constant(node)
+        if isinstance(node, Load):
+            return table.old(node.buffer)
+        if isinstance(node, Cast):
+            return go(node.x)
+        if isinstance(node, Unary) and node.op in _UNARY:
+            return _UNARY[node.op](go(node.x))
+        if isinstance(node, Binary) and node.op in _BINARY:
+            return _BINARY[node.op](go(node.a), go(node.b))
+        if isinstance(node, Where):
+            raise NotAlgebraic("a where() whose branches depend on a running value")
+        raise NotAlgebraic(f"operation {getattr(node, 'op', type(node).__name__)!r} on a running value")
+
+    return go(expr), table
+
+
+def from_sympy(value: sp.Expr, table: SymbolTable) -> Expr:
+    """Translate back; r_<p> -> Running(p, 'old'), r_<p>' -> Running(p, 'new'), t -> Accumulator."""
+    back: dict[sp.Symbol, Expr] = {sym: Running(n, "old") for n, sym in table.running.items()}
+    back.update({sym: Running(n, "new") for n, sym in table.running_new.items()})
+    back.update({sym: e for e, sym in table.opaque.items()})
+
+    def go(node: sp.Expr) -> Expr:
+        if node.is_Symbol:
+            if node.name == "t":
+                return Accumulator()
+            return back[node]
+        if node.is_Integer:
+            return Const(int(node))
+        if node.is_Number:
+            return Const(float(node))
+        if isinstance(node, sp.exp):
+            return Unary("exp", go(node.args[0]))
+        if isinstance(node, sp.log):
+            return Unary("log", go(node.args[0]))
+        if isinstance(node, sp.tanh):
+            return Unary("tanh", go(node.args[0]))
+        if isinstance(node, sp.Add):
+            args = sorted(node.args, key=lambda a: a.could_extract_minus_sign())
+            out = go(args[0])
+            for term in args[1:]:
+                out = Binary("sub", out, go(-term)) if term.could_extract_minus_sign() else Binary("add", out, go(term))
+            return out
+        if isinstance(node, sp.Mul):
+            if node.could_extract_minus_sign() and node.args[0] == -1:
+                return Unary("neg", go(-node))
+            num = sorted((a for a in node.args if not (a.is_Pow and a.exp.is_negative)), key=lambda a: str(a) != "t")
+            den = [1 / a for a in node.args if a.is_Pow and a.exp.is_negative]
+            parts = [go(a) for a in num] or [Const(1.0)]
+            out = parts[0]
+            for part in parts[1:]:
+                out = Binary("mul", out, part)
+            for d in den:
+                out = Binary("div", out, go(d))
+            return out
+        if isinstance(node, sp.Pow):
+            base, expo = node.args
+            if base == 2:
+                return Unary("exp2", go(expo))
+            if expo == -1:
+                return Binary("div", Const(1.0), go(base))
+            if expo.is_Integer and int(expo) > 0:
+                out = go(base)
+                for _ in range(int(expo) - 1):
+                    out = Binary("mul", out, go(base))
+                return out
+            return Binary("pow", go(base), go(expo))
+        if isinstance(node, sp.Max):
+            return _fold("max", [go(a) for a in node.args])
+        if isinstance(node, sp.Min):
+            return _fold("min", [go(a) for a in node.args])
+        raise NotAlgebraic(f"cannot translate {node} back to the IR")
+
+    return go(value)
+
+
+def _fold(op: str, items: list[Expr]) -> Expr:
+    out = items[0]
+    for item in items[1:]:
+        out = Binary(op, out, item)
+    return out
+
+
+def simplify(value: sp.Expr) -> sp.Expr:
+    return sp.powsimp(sp.simplify(value), force=False)
+
+
+def substitute(value: sp.Expr, mapping: dict[sp.Symbol, Any]) -> sp.Expr:
+    return value.subs(mapping)
+
+
+def is_zero(value: sp.Expr) -> bool:
+    return bool(sp.simplify(sp.expand(value)) == 0)
+
+
+def is_nonnegative(value: sp.Expr) -> bool:
+    return bool(value.is_nonnegative)
+
+
+def derivative(value: sp.Expr, symbol: sp.Symbol) -> sp.Expr:
+    return sp.diff(value, symbol)
+
+
+def limit_value(value: sp.Expr) -> sp.Expr:
+    return sp.simplify(value)
+
+
+def symbol(name: str) -> sp.Symbol:
+    return sp.Symbol(name, real=True)
+
+
+NEG_INF = -sp.oo

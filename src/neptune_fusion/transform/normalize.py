@@ -1,0 +1,60 @@
+"""Commuting a normalisation past a later linear reduction (Program -> Program).
+
+`sum_j a[j] * c / n` with `c` and `n` independent of j becomes `(sum_j a[j]) * c / n`:
+the loop-invariant factors leave the reduction, so the division happens once per
+output element after the loop, and the reduction no longer depends on `n`.
+
+Example:
+    >>> # U = sum_k (P[q,k] / L[q]) * V[k,e]  ->  U_acc = sum_k P[q,k] * V[k,e];  U = U_acc / L
+"""
+
+from __future__ import annotations
+
+from neptune_fusion.ir.expr import Binary, Const, Expr, Index, Load, Reduce, free_axes
+from neptune_fusion.ir.program import Node, Program, Stage
+
+
+def _factors(expr: Expr) -> list[tuple[Expr, bool]]:
+    """Flatten a product/quotient tree into (factor, is_divisor) pairs."""
+    if isinstance(expr, Binary) and expr.op == "mul":
+        return _factors(expr.a) + _factors(expr.b)
+    if isinstance(expr, Binary) and expr.op == "div":
+        return _factors(expr.a) + [(f, not inv) for f, inv in _factors(expr.b)]
+    return [(expr, False)]
+
+
+def _product(factors: list[tuple[Expr, bool]]) -> Expr:
+    num = [f for f, inv in factors if not inv]
+    den = [f for f, inv in factors if inv]
+    out: Expr = num[0] if num else Const(1.0)
+    for f in num[1:]:
+        out = Binary("mul", out, f)
+    for f in den:
+        out = Binary("div", out, f)
+    return out
+
+
+def _depends_on(expr: Expr, axis: str, program: Program) -> bool:
+    return axis in free_axes(expr)
+
+
+def hoist_invariant_factors(program: Program) -> Program:
+    """Move factors that do not depend on the reduce axis out of every sum reduction."""
+    stages: list[Node] = []
+    for node in program.stages:
+        if not (isinstance(node, Stage) and isinstance(node.body, Reduce) and node.body.op == "sum"):
+            stages.append(node)
+            continue
+        red = node.body
+        factors = _factors(red.body)
+        inner = [(f, inv) for f, inv in factors if _depends_on(f, red.axis, program)]
+        outer = [(f, inv) for f, inv in factors if not _depends_on(f, red.axis, program)]
+        # Only worth it when a factor actually reads something (not a bare constant).
+        if not inner or not [f for f, _ in outer if not isinstance(f, Const)]:
+            stages.append(node)
+            continue
+        acc_name = f"{node.name}_acc"
+        stages.append(Stage(acc_name, node.axes, Reduce("sum", red.axis, _product(inner))))
+        acc = Load(acc_name, tuple(Index(a) for a in node.axes))
+        stages.append(Stage(node.name, node.axes, _product([(acc, False)] + outer)))
+    return program.with_stages(stages)

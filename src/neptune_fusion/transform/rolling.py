@@ -1,0 +1,92 @@
+"""Rolling update: fuse the reductions along one axis into a single loop (Program -> Program).
+
+Reductions that read the *final* value of an earlier reduction along the same axis
+read its *running* value instead, and their accumulators are corrected with the
+derived repair function whenever that running value changes (DESIGN.md section 1).
+For plain attention this is exactly FlashAttention's online softmax.
+
+Example:
+    >>> # rolling_update(inline_along(prog, "k"), "k") turns max0, sum0, dot1 into one loop
+"""
+
+from __future__ import annotations
+
+from neptune_fusion.algebra.repair import derive_repair
+from neptune_fusion.analysis.chains import transitive_reads
+from neptune_fusion.ir.errors import FusionError
+from neptune_fusion.ir.expr import Expr, Index, Load, Reduce, walk
+from neptune_fusion.ir.program import FusedLoop, Node, Program, Stage
+
+
+def _loads_of_member(expr: Expr, name: str) -> list[Load]:
+    return [n for n in walk(expr) if isinstance(n, Load) and n.buffer == name]
+
+
+def build_fused_loop(program: Program, axis: str, mode: str = "rolling", splits: int = 1) -> FusedLoop:
+    """The FusedLoop for all top-level reductions of `program` along `axis`, repairs derived."""
+    members = [st for st in program.stages
+               if isinstance(st, Stage) and isinstance(st.body, Reduce) and st.body.axis == axis]
+    if not members:
+        raise FusionError("rolling update", "-", f"reductions over {axis}", f"the program has no reduction over axis {axis!r}")
+    names = {m.name for m in members}
+    producers: dict[str, tuple[str, ...]] = {}
+    repairs: dict[str, Expr | None] = {}
+    for m in members:
+        assert isinstance(m.body, Reduce)
+        where = f"{m.body.op} over {axis}"
+        direct = tuple(sorted(names & m.reads()))
+        for other in m.reads() - names:
+            hidden = transitive_reads(program, other) & names
+            if hidden:
+                raise FusionError(
+                    "rolling update", m.name, where,
+                    f"reads {other!r}, which depends on reduction(s) {sorted(hidden)} along the same axis "
+                    f"through a stage that was not inlined",
+                )
+        for p in direct:
+            prod = program.stage(p)
+            for load in _loads_of_member(m.body, p):
+                if load.index != tuple(Index(a) for a in prod.axes) or not set(prod.axes) <= set(m.axes):
+                    raise FusionError(
+                        "rolling update", m.name, where,
+                        f"reads the running value {p!r} at indices other than its own axes {prod.axes}",
+                    )
+        producers[m.name] = direct
+        repairs[m.name] = derive_repair(m.name, m.body.op, axis, m.body.body, direct).h if direct else None
+    order = _topological(members, producers)
+    return FusedLoop(f"loop_{axis}", axis, tuple(order), producers, repairs, mode, splits)
+
+
+def _topological(members: list[Stage], producers: dict[str, tuple[str, ...]]) -> list[Stage]:
+    done: list[Stage] = []
+    placed: set[str] = set()
+    pending = list(members)
+    while pending:
+        for st in pending:
+            if set(producers[st.name]) <= placed:
+                done.append(st)
+                placed.add(st.name)
+                pending.remove(st)
+                break
+        else:
+            raise FusionError("rolling update", pending[0].name, "cycle", "reductions depend on each other cyclically")
+    return done
+
+
+def place_loop(program: Program, loop: FusedLoop) -> Program:
+    """Replace the loop's member stages by `loop`, after what it reads and before its readers."""
+    names = {m.name for m in loop.members}
+    needed: set[str] = set()
+    for m in loop.members:
+        needed |= transitive_reads(program, m.name)
+    before = [n for n in program.stages if n.name not in names and isinstance(n, Stage) and n.name in needed]
+    after = [n for n in program.stages if n.name not in names and n not in before]
+    stages: list[Node] = [*before, loop, *after]
+    out = program.with_stages(stages)
+    out.validate()
+    return out
+
+
+def rolling_update(program: Program, axis: str) -> Program:
+    """Fuse all reductions along `axis` into one rolling loop with derived repair terms."""
+    return place_loop(program, build_fused_loop(program, axis))
