@@ -7,19 +7,25 @@ Example:
     ...     s = nf.einsum("bhqd,bhkd->bhqk", q, k) * scale
     ...     p = nf.exp(s - s.max(axis=-1, keepdims=True))
     ...     return nf.einsum("bhqk,bhkd->bhqd", p, v) / p.sum(axis=-1, keepdims=True)
+    >>> fn = nf.compile(attention)   # then: out = fn(q, k, v, scale=0.088)
 """
 
+from neptune_fusion.ir.errors import FusionError, UnsupportedProgramError
 from neptune_fusion.lang.ops import (
     abs_, cast, cos, einsum, exp, exp2, index, inf, log, log2, matmul, max, maximum, min,
     minimum, rsqrt, sigmoid, sin, sqrt, sum, tanh, where,
 )
 from neptune_fusion.lang.trace import ProgramDef, program
+from neptune_fusion.runtime.compiled import Compiled, compile
+from neptune_fusion.runtime.explain import explain
 from neptune_fusion.runtime.reference import run_reference
+from neptune_fusion.schedule.templates import Auto, Flash, SplitK, auto, flash, split_k
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ProgramDef", "abs_", "cast", "cos", "einsum", "exp", "exp2", "index", "inf", "log", "log2",
-    "matmul", "max", "maximum", "min", "minimum", "program", "rsqrt", "run_reference", "sigmoid",
-    "sin", "sqrt", "sum", "tanh", "where",
+    "Auto", "Compiled", "Flash", "FusionError", "ProgramDef", "SplitK", "UnsupportedProgramError",
+    "abs_", "auto", "cast", "compile", "cos", "einsum", "exp", "exp2", "explain", "flash", "index",
+    "inf", "log", "log2", "matmul", "max", "maximum", "min", "minimum", "program", "rsqrt",
+    "run_reference", "sigmoid", "sin", "split_k", "sqrt", "sum", "tanh", "where",
 ]

@@ -5,7 +5,8 @@ reductions along the same axis, find `h(t, r, r')` with
   (1) replacement: h(g(r, c), r, r') = g(r', c), and
   (2) distribution: h(f(x, y), r, r') = f(h(x, r, r'), h(y, r, r')).
 `g` is split as gcomb(gx(r), gu(c)) with gcomb `*` (when g(r')/g(r) is free of c)
-or `+` (when g(r') - g(r) is free of c); h inverts gx and applies it at r'.
+or `+` (when g(r') - g(r) is free of c); h inverts gx and applies it at r'. Here c
+means what varies along the reduce axis; loop-invariant values may appear in h.
 (1) then holds by construction and is re-checked; (2) is proved with SymPy.
 
 Example:
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 from neptune_fusion.algebra import symbolic as S
 from neptune_fusion.ir.errors import FusionError
-from neptune_fusion.ir.expr import Expr
+from neptune_fusion.ir.expr import Expr, Reduce, free_axes, walk
 from neptune_fusion.ir.printer import format_expr
 
 
@@ -55,7 +56,11 @@ def _derive_cached(stage: str, reducer: str, axis: str, g: Expr, producers: tupl
         g_old, table = S.to_sympy(g, set(producers))
     except S.NotAlgebraic as exc:
         raise fail(f"the map {format_expr(g)} uses {exc} which the algebra cannot reason about") from None
-    constants = set(table.opaque.values())
+    # Subexpressions free of the running values are opaque symbols. Those that vary along the
+    # reduce axis are the per-term inputs c; loop-invariant ones (a Param such as `scale`, a load
+    # indexed by the output axes only) may appear in h: exp((s - m) * scale) repairs with
+    # t * exp(scale * (m.old - m.new)).
+    constants = {sym for e, sym in table.opaque.items() if _varies_along(e, axis)}
     new_of = {table.old(p): table.new(p) for p in producers}
     g_new = g_old.subs(new_of)
     t = S.symbol("t")
@@ -84,6 +89,11 @@ def _derive_cached(stage: str, reducer: str, axis: str, g: Expr, producers: tupl
             return Repair(S.from_sympy(h, table), combine, f"g splits with '{combine}'; h = {h}; {proof}")
         failures.append(proof)
     raise fail("repair fails distribution over the reducer: " + "; ".join(failures))
+
+
+def _varies_along(expr: Expr, axis: str) -> bool:
+    """Whether `expr` takes different values along `axis` (or reduces over it)."""
+    return axis in free_axes(expr) or any(isinstance(n, Reduce) and n.axis == axis for n in walk(expr))
 
 
 def _distributes(h: object, t: object, reducer: str) -> tuple[bool, str]:

@@ -110,7 +110,7 @@ def from_sympy(value: sp.Expr, table: SymbolTable) -> Expr:
         if isinstance(node, sp.tanh):
             return Unary("tanh", go(node.args[0]))
         if isinstance(node, sp.Add):
-            args = sorted(node.args, key=lambda a: a.could_extract_minus_sign())
+            args = sorted(node.args, key=lambda a: (a.could_extract_minus_sign(), str(a) != "t"))
             out = go(args[0])
             for term in args[1:]:
                 out = Binary("sub", out, go(-term)) if term.could_extract_minus_sign() else Binary("add", out, go(term))

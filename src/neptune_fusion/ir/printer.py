@@ -49,7 +49,9 @@ def format_expr(expr: Expr, _prec: int = -10) -> str:
     if isinstance(expr, Binary):
         if expr.op in _INFIX:
             sym, prec = _INFIX[expr.op]
-            text = f"{format_expr(expr.a, prec)} {sym} {format_expr(expr.b, prec + 1)}"
+            # ** groups to the right (a ** b ** c is a ** (b ** c)); everything else to the left
+            left, right = (prec + 1, prec) if expr.op == "pow" else (prec, prec + 1)
+            text = f"{format_expr(expr.a, left)} {sym} {format_expr(expr.b, right)}"
             return f"({text})" if prec < _prec else text
         return f"{expr.op}({format_expr(expr.a)}, {format_expr(expr.b)})"
     if isinstance(expr, Where):

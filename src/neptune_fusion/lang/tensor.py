@@ -119,6 +119,12 @@ class SymTensor:
     def __neg__(self) -> SymTensor:
         return unary("neg", self)
 
+    def __matmul__(self, o: SymTensor) -> SymTensor:
+        return matmul(self, o)
+
+    def __rmatmul__(self, o: SymTensor) -> SymTensor:
+        return matmul(o, self)
+
     def __abs__(self) -> SymTensor:
         return unary("abs", self)
 
@@ -370,13 +376,13 @@ def einsum(spec: str, *operands: SymTensor) -> SymTensor:
         raise ValueError(f"einsum {spec!r} names {len(terms)} operands but got {len(operands)}")
     tracer = _tracer_of(*operands)
     letters: dict[str, Dim] = {}
-    exprs: list[Expr] = []
+    materialized: list[tuple[str, SymTensor]] = []
     for term, op in zip(terms, operands):
         op = lift(op, tracer)
         if len(term) != op.ndim:
             raise ValueError(f"einsum {spec!r}: operand {term!r} has rank {op.ndim}")
         op = tracer.materialize(op)  # type: ignore[attr-defined]
-        mapping: dict[str, Expr] = {}
+        materialized.append((term, op))
         for letter, dim in zip(term, op.dims):
             if dim is None:
                 continue
@@ -385,18 +391,26 @@ def einsum(spec: str, *operands: SymTensor) -> SymTensor:
                 if known.find().size == 1 and dim.find().size != 1:
                     letters[letter] = dim
                 elif dim.find().size == 1 and known.find().size != 1:
-                    mapping[dim.var] = Const(0)
                     continue
                 else:
                     unify(known, dim, f"einsum {spec!r}: letter {letter!r}")
             else:
                 letters[letter] = dim
                 dim.find().letters.append(letter)
-        exprs.append(op.expr)
+    # A size-1 dim broadcast against a larger one of the same letter reads element 0; this is
+    # decided once all operands are seen, so an earlier operand's size-1 dim is handled too.
+    exprs: list[Expr] = []
+    for term, op in materialized:
+        mapping: dict[str, Expr] = {}
+        for letter, dim in zip(term, op.dims):
+            if dim is not None and dim.find() is not letters[letter].find():
+                mapping[dim.var] = Const(0)
+        expr = op.expr
         if mapping:
             from neptune_fusion.ir.expr import substitute_index
 
-            exprs[-1] = substitute_index(exprs[-1], mapping)
+            expr = substitute_index(expr, mapping)
+        exprs.append(expr)
     body: Expr = exprs[0]
     for e in exprs[1:]:
         body = Binary("mul", body, e)

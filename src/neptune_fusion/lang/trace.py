@@ -112,6 +112,29 @@ def _rename_axes(expr: Expr, names: dict[str, str]) -> Expr:
     return transform_bottom_up(expr, rule)
 
 
+def _check_reduce_axes(stage: str, axes: tuple[str, ...], body: Expr) -> None:
+    """Refuse a stage that reduces over an axis it also indexes spatially (or already reduces).
+
+    Axes are named by classes of unified dims, so this happens when two different dims of one
+    tensor were identified (e.g. a square weight used as `(x @ w) @ w`); the reduction would
+    then shadow the spatial index and silently compute a diagonal.
+    """
+
+    def visit(node: Expr, bound: tuple[str, ...]) -> None:
+        if isinstance(node, Reduce):
+            if node.axis in bound:
+                raise ValueError(
+                    f"stage {stage!r} reduces over axis {node.axis!r}, which it also indexes: two different "
+                    f"dimensions (of equal size) were identified with each other while tracing, e.g. a square "
+                    f"tensor used along both of its dimensions; this is not supported"
+                )
+            bound = (*bound, node.axis)
+        for child in node.children():
+            visit(child, bound)
+
+    visit(body, axes)
+
+
 def trace(fn: Callable[..., Any], specs: Sequence[ArgSpec], name: str | None = None) -> Program:
     """Run `fn` on symbolic tensors described by `specs` and return the traced Program."""
     tracer = Tracer()
@@ -166,7 +189,9 @@ def _finalize(
         axes = tuple(names[a] for a in st.axes)
         if len(set(axes)) != len(axes):
             raise ValueError(f"stage {st.name!r} indexes the same axis twice ({axes}); this is not supported")
-        stages.append(Stage(st.name, axes, _rename_axes(st.body, names)))
+        body = _rename_axes(st.body, names)
+        _check_reduce_axes(st.name, axes, body)
+        stages.append(Stage(st.name, axes, body))
     inputs = tuple(InputBuffer(n, tuple(names[d.var] for d in dims), kind) for n, dims, kind in tracer.inputs)
     axis_sizes: dict[str, tuple[str, int]] = {}
     for n, dims, _ in tracer.inputs:

@@ -100,7 +100,8 @@ class _Evaluator:
         if isinstance(expr, Index):
             r = self.axis_range(expr.axis)
             shape = [1] * len(frame)
-            shape[frame.index(expr.axis)] = r.numel()
+            # the innermost binding of the axis (a nested Reduce may shadow an outer one)
+            shape[len(frame) - 1 - frame[::-1].index(expr.axis)] = r.numel()
             return r.view(shape)
         if isinstance(expr, Load):
             buf = self.buffers[expr.buffer]
@@ -183,10 +184,18 @@ class _Evaluator:
         return value
 
 
+_SAFE_VALUE = {"max": 0.0, "min": 0.0, "sum": 1.0}
+
+
 def _safe(value: torch.Tensor, op: str | None) -> torch.Tensor:
-    """A running max/min still at its identity (nothing seen yet) is used as 0: no inf - inf."""
-    if op in ("max", "min"):
-        return torch.where(torch.isinf(value) & (value == REDUCER_IDENTITY[op]), torch.zeros_like(value), value)
+    """The running value that terms are computed with: a producer still at its identity is used
+    as a finite stand-in (max/min: 0, so no inf - inf; sum: 1, so no division by zero).
+
+    Any stand-in is exact as long as the accumulators computed with it are later repaired *from
+    the same value* (replacement condition), which `_rolling` and `_split_k` do.
+    """
+    if op in _SAFE_VALUE:
+        return torch.where(value == REDUCER_IDENTITY[op], torch.full_like(value, _SAFE_VALUE[op]), value)
     return value
 
 
@@ -234,7 +243,8 @@ def _rolling(ev: _Evaluator, loop: FusedLoop, sizes: dict[str, int], start: int,
     for lo in range(start, stop, block):
         hi = min(stop, lo + block)
         ev.ranges[loop.axis] = torch.arange(lo, hi, device=ev.device)
-        old = dict(state)
+        # the values the accumulators were last computed with (see `_safe`)
+        old = {name: _safe(value, ops[name]) for name, value in state.items()}
         for m in loop.members:
             producers = loop.producers.get(m.name, ())
             for p in producers:
@@ -250,7 +260,7 @@ def _rolling(ev: _Evaluator, loop: FusedLoop, sizes: dict[str, int], start: int,
 
 
 def _apply_repair(ev: _Evaluator, loop: FusedLoop, member: Stage, acc: torch.Tensor,
-                  old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> torch.Tensor:
+                  old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], guard: bool = True) -> torch.Tensor:
     repair = loop.repairs[member.name]
     if repair is None:
         raise ValueError(f"fused loop {loop.name!r}: member {member.name!r} has producers but no repair")
@@ -260,8 +270,36 @@ def _apply_repair(ev: _Evaluator, loop: FusedLoop, member: Stage, acc: torch.Ten
         ev.placeholders[Running(p, "new")] = _align(new[p], loop.member(p), member)
     out = ev.eval(repair, list(member.axes))
     ev.placeholders = {}
+    if not guard:
+        return out.expand(acc.shape)
     # 0 * inf from a stale accumulator that never saw a value stays 0 (it contributed nothing)
     return torch.where(acc == REDUCER_IDENTITY[member.reduce_op], acc, out).expand(acc.shape)
+
+
+def _finish(ev: _Evaluator, loop: FusedLoop, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Repair accumulators from the stand-in running values (`_safe`) to the true final ones.
+
+    Only where a producer ended at its identity (nothing seen: a fully masked row) do the two
+    differ; there the unfused program computes with that identity (e.g. exp(-inf - -inf) = nan),
+    and so does this, so a fused loop agrees with the unfused program element for element.
+    """
+    ops = {m.name: m.reduce_op for m in loop.members}
+    used = {name: _safe(value, ops[name]) for name, value in state.items()}
+    final = dict(state)
+    for m in loop.members:
+        producers = loop.producers.get(m.name, ())
+        if not producers:
+            continue
+        changed = torch.zeros((), dtype=torch.bool, device=ev.device)
+        for p in producers:
+            differs = (used[p] != final[p]) | torch.isnan(final[p])
+            changed = changed | _align(differs, loop.member(p), m)
+        if not bool(changed.any()):
+            continue
+        fixed = _apply_repair(ev, loop, m, state[m.name], {p: used[p] for p in producers},
+                              {p: final[p] for p in producers}, guard=False)
+        final[m.name] = torch.where(changed, fixed, state[m.name])
+    return final
 
 
 def _align(value: torch.Tensor, producer: Stage, member: Stage) -> torch.Tensor:
@@ -283,7 +321,7 @@ def _split_k(ev: _Evaluator, loop: FusedLoop, sizes: dict[str, int], block: int)
         for part in partials:
             value = part[m.name]
             if producers:
-                value = _apply_repair(ev, loop, m, value, {p: part[p] for p in producers},
+                value = _apply_repair(ev, loop, m, value, {p: _safe(part[p], ops[p]) for p in producers},
                                       {p: _safe(final[p], ops[p]) for p in producers})
             total = value if total is None else _COMBINE[m.reduce_op](total, value)
         assert total is not None
@@ -301,19 +339,19 @@ def run_reference(program: Program, args: Mapping[str, Any], *, dtype: torch.dty
     """
     sizes = axis_extents(program, args)
     device = next((args[b.name].device for b in program.inputs), torch.device("cpu"))
-    params = {p: args[p] for p in program.params}
     for p in program.params:
         if p not in args:
             raise ValueError(f"missing scalar parameter {p!r}")
+    params = {p: args[p] for p in program.params}
     buffers: dict[str, torch.Tensor] = {b.name: args[b.name] for b in program.inputs}
     ev = _Evaluator(sizes, buffers, params, dtype, device)
     for node in program.stages:
         if isinstance(node, Stage):
             buffers[node.name] = _run_stage(ev, node, sizes)
         elif node.mode == "rolling":
-            buffers.update(_rolling(ev, node, sizes, 0, sizes[node.axis], block))
+            buffers.update(_finish(ev, node, _rolling(ev, node, sizes, 0, sizes[node.axis], block)))
         else:
-            buffers.update(_split_k(ev, node, sizes, block))
+            buffers.update(_finish(ev, node, _split_k(ev, node, sizes, block)))
     outs = []
     for spec in program.outputs:
         value = buffers[spec.stage]

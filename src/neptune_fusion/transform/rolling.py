@@ -79,12 +79,18 @@ def place_loop(program: Program, loop: FusedLoop) -> Program:
     needed: set[str] = set()
     for m in loop.members:
         needed |= transitive_reads(program, m.name)
-    before = [n for n in program.stages if n.name not in names and isinstance(n, Stage) and n.name in needed]
-    after = [n for n in program.stages if n.name not in names and n not in before]
+    rest = [n for n in program.stages if not (isinstance(n, Stage) and n.name in names)]
+    # what the loop reads comes first, including an earlier fused loop (it defines its members)
+    before = [n for n in rest if _defines(n) & needed]
+    after = [n for n in rest if not _defines(n) & needed]
     stages: list[Node] = [*before, loop, *after]
     out = program.with_stages(stages)
     out.validate()
     return out
+
+
+def _defines(node: Node) -> set[str]:
+    return {m.name for m in node.members} if isinstance(node, FusedLoop) else {node.name}
 
 
 def rolling_update(program: Program, axis: str) -> Program:

@@ -1,0 +1,164 @@
+"""Mask analysis: which tiles of a fused loop can be skipped, and which need no mask arithmetic.
+
+A *mask* is a `where(cond, x, b)` inside the loop's reductions such that, for every
+member reduction, replacing it by `b` makes the member's contribution the reducer's
+identity (proved with the algebra: `exp(-inf - m) = 0` adds nothing to a sum). Where
+`cond` is false the element can be dropped, so a tile where it is false everywhere
+can be skipped. The affine conjuncts of `cond` (`a*row + b*col + c >= 0`, |b| = 1)
+give loop bounds per row tile and the range of tiles where `cond` holds everywhere.
+
+Example:
+    >>> # causal q >= k gives: col < row_tile_end (visit), col + BLOCK <= row_tile_start + 1 (no mask)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from neptune_fusion.algebra.repair import contribution_vanishes
+from neptune_fusion.ir.expr import (
+    REDUCER_IDENTITY, Binary, Const, Expr, Index, Reduce, Unary, Where, free_axes, loads_of, walk,
+)
+from neptune_fusion.ir.program import FusedLoop
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """`row_coeff * row + col_coeff * col + offset >= 0`, offset independent of row and col."""
+
+    row_coeff: int
+    col_coeff: int
+    offset: Expr
+
+
+@dataclass(frozen=True)
+class MaskedWhere:
+    """One mask: the where-node, its affine conjuncts and what is left (None: fully affine)."""
+
+    node: Where
+    constraints: tuple[Constraint, ...]
+    residual: Expr | None
+
+    def unmasked(self) -> Expr:
+        """What the where-node becomes in a tile where all affine conjuncts hold."""
+        if self.residual is None:
+            return self.node.a
+        return Where(self.residual, self.node.a, self.node.b)
+
+
+@dataclass(frozen=True)
+class MaskInfo:
+    masks: tuple[MaskedWhere, ...]
+
+    @property
+    def constraints(self) -> tuple[Constraint, ...]:
+        return tuple(c for m in self.masks for c in m.constraints)
+
+
+def _affine(expr: Expr, row: str, col: str) -> tuple[int, int, Expr] | None:
+    """expr as (row coeff, col coeff, offset) if it is affine in row and col with int coefficients."""
+    if not ({row, col} & free_axes(expr)):
+        return 0, 0, expr
+    if isinstance(expr, Index):
+        return (1, 0, Const(0)) if expr.axis == row else (0, 1, Const(0))
+    if isinstance(expr, Unary) and expr.op == "neg":
+        inner = _affine(expr.x, row, col)
+        return None if inner is None else (-inner[0], -inner[1], Unary("neg", inner[2]))
+    if isinstance(expr, Binary) and expr.op in ("add", "sub"):
+        a, b = _affine(expr.a, row, col), _affine(expr.b, row, col)
+        if a is None or b is None:
+            return None
+        sign = 1 if expr.op == "add" else -1
+        return a[0] + sign * b[0], a[1] + sign * b[1], Binary(expr.op, a[2], b[2])
+    if isinstance(expr, Binary) and expr.op == "mul":
+        for lin, k in ((expr.a, expr.b), (expr.b, expr.a)):
+            if isinstance(k, Const) and isinstance(k.value, int) and not isinstance(k.value, bool):
+                inner = _affine(lin, row, col)
+                if inner is not None:
+                    return inner[0] * k.value, inner[1] * k.value, Binary("mul", inner[2], k)
+    return None
+
+
+def _is_integer(expr: Expr, int_params: set[str]) -> bool:
+    from neptune_fusion.ir.expr import Cast, Param
+
+    for node in walk(expr):
+        if isinstance(node, Const) and isinstance(node.value, float):
+            return False
+        if isinstance(node, Param) and node.name not in int_params:
+            return False
+        if isinstance(node, Cast) and not node.dtype.startswith("i"):
+            return False
+        if isinstance(node, Binary) and node.op in ("div", "pow"):
+            return False
+        if isinstance(node, Unary) and node.op not in ("neg", "abs"):
+            return False
+    return not loads_of(expr)
+
+
+def _conjuncts(cond: Expr) -> list[Expr]:
+    if isinstance(cond, Binary) and cond.op == "and":
+        return _conjuncts(cond.a) + _conjuncts(cond.b)
+    return [cond]
+
+
+def _constraints_of(cmp: Expr, row: str, col: str, int_params: set[str]) -> list[Constraint] | None:
+    if not (isinstance(cmp, Binary) and cmp.op in ("ge", "gt", "le", "lt", "eq")):
+        return None
+    if not (_is_integer(cmp.a, int_params) and _is_integer(cmp.b, int_params)):
+        return None
+    diff = _affine(Binary("sub", cmp.a, cmp.b), row, col)
+    if diff is None:
+        return None
+    a, b, c = diff
+    neg = (-a, -b, Unary("neg", c))
+    forms = {
+        "ge": [(a, b, c)], "gt": [(a, b, Binary("sub", c, Const(1)))],
+        "le": [neg], "lt": [(neg[0], neg[1], Binary("sub", neg[2], Const(1)))], "eq": [(a, b, c), neg],
+    }[cmp.op]
+    out = [Constraint(x, y, z) for x, y, z in forms]
+    if any(abs(k.col_coeff) != 1 for k in out):
+        return None
+    return out
+
+
+def analyze_masks(loop: FusedLoop, row: str, int_params: set[str] | None = None) -> MaskInfo:
+    """The masks of `loop` (see module docstring); `row` is the axis tiled per program."""
+    col = loop.axis
+    int_params = int_params or set()
+    bodies = []
+    for m in loop.members:
+        assert isinstance(m.body, Reduce)
+        bodies.append((m, m.body.body))
+    candidates: list[Where] = []
+    for _, g in bodies:
+        for node in walk(g):
+            if (isinstance(node, Where) and isinstance(node.b, Const) and isinstance(node.b.value, float)
+                    and col in free_axes(node.cond) and node not in candidates):
+                candidates.append(node)
+    masks: list[MaskedWhere] = []
+    for w in candidates:
+        ok = True
+        for m, g in bodies:
+            if w not in set(walk(g)):
+                ok = False
+                break
+            producers = loop.producers.get(m.name, ())
+            if not contribution_vanishes(g, w, float(w.b.value), REDUCER_IDENTITY[m.body.op], producers):  # type: ignore[attr-defined]
+                ok = False
+                break
+        if not ok:
+            continue
+        constraints: list[Constraint] = []
+        residual: list[Expr] = []
+        for conj in _conjuncts(w.cond):
+            cs = _constraints_of(conj, row, col, int_params)
+            if cs is None:
+                residual.append(conj)
+            else:
+                constraints.extend(cs)
+        rest: Expr | None = None
+        for r in residual:
+            rest = r if rest is None else Binary("and", rest, r)
+        masks.append(MaskedWhere(w, tuple(constraints), rest))
+    return MaskInfo(tuple(masks))

@@ -1,0 +1,185 @@
+"""Triton code generation: prints a TileKernel as a `@triton.jit` Python module.
+
+Broadcasting between tile values is by axis name: an operand with fewer axes
+than the result is expanded with `[:, None]`-style indexing. `target="cuda"`
+uses fast PTX for tanh; `target="interpreter"` keeps to what TRITON_INTERPRET runs.
+
+Example:
+    >>> # source = generate(tile_kernel, target="cuda"); print(source)
+"""
+
+from __future__ import annotations
+
+import math
+
+from neptune_fusion.tile.ir import Assign, Loop, Op, Stmt, Store, TileKernel, TVal
+
+TL_DTYPES = {"f32": "tl.float32", "f16": "tl.float16", "bf16": "tl.bfloat16", "i32": "tl.int32",
+             "i64": "tl.int64", "bool": "tl.int1"}
+
+_PREAMBLE = '''import triton
+import triton.language as tl
+
+
+@triton.jit
+def _floordiv(a, b):
+    # Python's floor division (Triton's // truncates toward zero)
+    q = a // b
+    r = a % b
+    return tl.where((r != 0) & ((r < 0) != (b < 0)), q - 1, q)
+
+
+@triton.jit
+def _mod(a, b):
+    # Python's modulo (the sign of the divisor)
+    r = a % b
+    return tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
+'''
+
+_TANH_CUDA = '''
+
+@triton.jit
+def _tanh(x):
+    return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+'''
+
+_TANH_PORTABLE = '''
+
+@triton.jit
+def _tanh(x):
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+'''
+
+_UNARY = {
+    "exp2": "tl.exp2({})", "log": "tl.log({})", "log2": "tl.log2({})", "tanh": "_tanh({})",
+    "sigmoid": "tl.sigmoid({})", "sqrt": "tl.sqrt({})", "rsqrt": "tl.rsqrt({})", "abs": "tl.abs({})",
+    "neg": "-{}", "not": "({} == 0)", "sin": "tl.sin({})", "cos": "tl.cos({})", "recip": "(1.0 / {})",
+    "exp": "tl.exp({})",
+}
+_BINARY = {
+    "add": "{} + {}", "sub": "{} - {}", "mul": "{} * {}", "div": "{} / {}",
+    "max": "tl.maximum({}, {})", "min": "tl.minimum({}, {})",
+    "lt": "{} < {}", "le": "{} <= {}", "gt": "{} > {}", "ge": "{} >= {}", "eq": "{} == {}", "ne": "{} != {}",
+    "and": "{} & {}", "or": "{} | {}", "floordiv": "_floordiv({}, {})", "mod": "_mod({}, {})",
+}
+
+
+def _literal(value: object) -> str:
+    if isinstance(value, bool):
+        return "True" if value else "False"
+    if isinstance(value, float):
+        if math.isinf(value):
+            return 'float("-inf")' if value < 0 else 'float("inf")'
+        return repr(value)
+    return repr(value)
+
+
+class _Printer:
+    def __init__(self, kernel: TileKernel, target: str) -> None:
+        self.kernel = kernel
+        self.target = target
+        self.lines: list[str] = []
+        self.scalar_ops: set[str] = set()
+
+    def shape(self, axes: tuple[str, ...]) -> str:
+        return "[" + ", ".join(self.kernel.block_sizes[a] for a in axes) + "]"
+
+    def ref(self, v: TVal, axes: tuple[str, ...]) -> str:
+        """`v` expanded to broadcast against a value with `axes`."""
+        if not v.axes or v.axes == axes:
+            return v.name
+        index = ", ".join(":" if a in v.axes else "None" for a in axes)
+        return f"{v.name}[{index}]"
+
+    def expr(self, op: Op) -> str:
+        k, a, out = op.kind, op.args, op.out
+        at = op.attrs
+        if k == "const":
+            return _literal(at["value"])
+        if k == "program_id":
+            return f"tl.program_id({at['dim']})"
+        if k == "cdiv":
+            return f"tl.cdiv({a[0].name}, {at['block']})"
+        if k == "arange":
+            return f"{a[0].name} + tl.arange(0, {at['block']})"
+        if k == "unary":
+            return _UNARY[at["op"]].format(self.ref(a[0], out.axes))
+        if k == "binary":
+            op_name = at["op"]
+            if op_name in ("floordiv", "mod") and not out.axes:
+                # scalar index arithmetic of the launch grid is never negative
+                return ("{} // {}" if op_name == "floordiv" else "{} % {}").format(a[0].name, a[1].name)
+            return "(" + _BINARY[op_name].format(self.ref(a[0], out.axes), self.ref(a[1], out.axes)) + ")"
+        if k == "where":
+            return f"tl.where({', '.join(self.ref(x, out.axes) for x in a)})"
+        if k == "cast":
+            return f"{a[0].name}.to({TL_DTYPES[at['to_dtype']]})"
+        if k == "reduce":
+            fn = {"sum": "tl.sum", "max": "tl.max", "min": "tl.min"}[at["op"]]
+            return f"{fn}({a[0].name}, axis={a[0].axes.index(at['axis'])})"
+        if k == "dot":
+            kax = at["k"]
+            x_axis = next(ax for ax in out.axes if ax in a[0].axes)
+            lhs = a[0].name if a[0].axes == (x_axis, kax) else f"tl.trans({a[0].name})"
+            y_axis = next(ax for ax in out.axes if ax in a[1].axes)
+            rhs = a[1].name if a[1].axes == (kax, y_axis) else f"tl.trans({a[1].name})"
+            if out.axes != (x_axis, y_axis):
+                raise ValueError(f"dot result axes {out.axes} are not in canonical order")
+            extra = f", {a[2].name}" if len(a) > 2 else ""
+            prec = f", input_precision=\"{at['precision']}\"" if at.get("precision") else ""
+            return f"tl.dot({lhs}, {rhs}{extra}{prec})"
+        if k == "load":
+            ptr = f"{at['buffer']}_ptr + {a[0].name} + {a[1].name}"
+            if len(a) > 2:
+                other = "0.0" if out.dtype in ("f32", "f16", "bf16") else "0"
+                return f"tl.load({ptr}, mask={self.ref(a[2], out.axes)}, other={other})"
+            return f"tl.load({ptr})"
+        if k == "full":
+            if not out.axes:
+                return f"tl.full([], {_literal(at['value'])}, {TL_DTYPES[out.dtype]})"
+            return f"tl.full({self.shape(out.axes)}, {_literal(at['value'])}, {TL_DTYPES[out.dtype]})"
+        raise ValueError(f"unknown tile op {k!r}")
+
+    def stmts(self, stmts: list[Stmt], indent: str) -> None:
+        for st in stmts:
+            if isinstance(st, Op):
+                self.lines.append(f"{indent}{st.out.name} = {self.expr(st)}")
+            elif isinstance(st, Assign):
+                self.lines.append(f"{indent}{st.target.name} = {st.value.name}")
+            elif isinstance(st, Store):
+                mask = f", mask={self.ref(st.mask, st.offsets.axes)}" if st.mask is not None else ""
+                self.lines.append(f"{indent}tl.store({st.buffer}_ptr + {st.base.name} + {st.offsets.name}, {st.value.name}{mask})")
+            elif isinstance(st, Loop):
+                if st.comment:
+                    self.lines.append(f"{indent}# {st.comment}")
+                self.lines.append(f"{indent}for {st.var.name} in range({st.start.name}, {st.stop.name}, {st.step}):")
+                if not st.body:
+                    self.lines.append(f"{indent}    pass")
+                self.stmts(st.body, indent + "    ")
+
+    def source(self) -> str:
+        k = self.kernel
+        params = [a.name for a in k.args] + [f"{c}: tl.constexpr" for c in k.constexprs]
+        uses_tanh = "_tanh(" in "\n".join(self._all_lines())
+        out = [_PREAMBLE]
+        if uses_tanh:
+            out.append(_TANH_CUDA if self.target == "cuda" else _TANH_PORTABLE)
+        out.append("\n\n@triton.jit")
+        out.append(f"def {k.name}(")
+        out.extend(f"    {p}," for p in params)
+        out.append("):")
+        out.extend(f"    # {n}" for n in k.notes)
+        out.extend(self.lines)
+        return "\n".join(out) + "\n"
+
+    def _all_lines(self) -> list[str]:
+        if not self.lines:
+            self.stmts(self.kernel.body, "    ")
+        return self.lines
+
+
+def generate(kernel: TileKernel, target: str = "cuda") -> str:
+    """Triton source for `kernel` (`target`: "cuda" or "interpreter")."""
+    if target not in ("cuda", "interpreter"):
+        raise ValueError(f"unknown target {target!r}")
+    return _Printer(kernel, target).source()

@@ -1,0 +1,283 @@
+"""Compiled programs: the staged, cached driver from a traced Program to launched Triton kernels.
+
+Stages (each a named function, each result cached): trace -> fuse (transform passes)
+-> plan (schedule) -> lower (tile IR) -> generate (Triton source) -> load -> launch.
+
+Example:
+    >>> import neptune_fusion as nf
+    >>> # fn = nf.compile(attention); out = fn(q, k, v, scale=0.088)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import math
+import os
+import sys
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from neptune_fusion.codegen.triton_source import generate
+from neptune_fusion.ir.errors import FusionError
+from neptune_fusion.ir.program import FusedLoop, Program
+from neptune_fusion.lang.tensor import dtype_name
+from neptune_fusion.lang.trace import ProgramDef
+from neptune_fusion.runtime.reference import axis_extents, run_reference
+from neptune_fusion.schedule.auto import Plan, choose
+from neptune_fusion.schedule.pipeline import SPLIT_AXIS, Step, combine_program, fuse
+from neptune_fusion.schedule.templates import Auto, Schedule
+from neptune_fusion.tile.ir import TileKernel
+from neptune_fusion.tile.lower import LoweringConfig, assign_roles, lower
+
+FLOAT_TORCH = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def interpreter_mode() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def cache_dir() -> Path:
+    """Where generated kernel sources are kept (NEPTUNE_FUSION_CACHE_DIR overrides)."""
+    path = Path(os.environ.get("NEPTUNE_FUSION_CACHE_DIR", Path.home() / ".cache" / "neptune_fusion"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _load_kernel(source: str, name: str) -> Callable[..., Any]:
+    digest = hashlib.sha256(source.encode()).hexdigest()[:20]
+    path = cache_dir() / f"{name}_{digest}.py"
+    if not path.exists():
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(source)
+        tmp.replace(path)
+    module_name = f"neptune_fusion_kernels.{name}_{digest}"
+    if module_name in sys.modules:
+        return getattr(sys.modules[module_name], name)
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    return getattr(module, name)
+
+
+@dataclass
+class KernelLaunch:
+    """A loaded kernel with what is needed to launch it."""
+
+    tile: TileKernel
+    source: str
+    fn: Callable[..., Any]
+    program: Program
+
+
+@dataclass
+class Executable:
+    """Everything compiled for one (program, dtypes, full sizes, plan, target)."""
+
+    steps: list[Step]
+    plan: Plan
+    main: KernelLaunch
+    combine: KernelLaunch | None
+    combine_steps: list[Step] = field(default_factory=list)
+
+
+def _check_tensors(program: Program, args: dict[str, Any], interpreter: bool) -> torch.device:
+    device: torch.device | None = None
+    float_dtype: torch.dtype | None = None
+    for buf in program.inputs:
+        t = args.get(buf.name)
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"argument {buf.name!r} must be a torch.Tensor, got {type(t).__name__}")
+        if device is None:
+            device = t.device
+        elif t.device != device:
+            raise ValueError(f"all tensors must be on one device: {buf.name!r} is on {t.device}, others on {device}")
+        if t.is_floating_point():
+            if t.dtype not in FLOAT_TORCH:
+                raise TypeError(f"argument {buf.name!r} has dtype {t.dtype}; supported: float16, bfloat16, float32")
+            float_dtype = float_dtype or t.dtype
+        elif t.dtype not in (torch.int32, torch.int64, torch.bool, torch.int16, torch.int8, torch.uint8):
+            raise TypeError(f"argument {buf.name!r} has unsupported dtype {t.dtype}")
+        if any(s < 0 for s in t.stride()):
+            raise ValueError(f"argument {buf.name!r} has a negative stride {t.stride()}")
+    assert device is not None
+    if device.type != "cuda" and not interpreter:
+        raise ValueError(
+            f"inputs are on {device}; kernels run on CUDA tensors (or on CPU tensors under TRITON_INTERPRET=1)"
+        )
+    if float_dtype is None:
+        raise TypeError("a program needs at least one floating-point tensor input")
+    for p in program.params:
+        v = args.get(p)
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            raise TypeError(f"scalar parameter {p!r} must be a Python int or float, got {type(v).__name__}")
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError(f"scalar parameter {p!r} must be finite, got {v}")
+    axis_extents(program, args)
+    return device
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+class Compiled:
+    """A program compiled for the GPU: call it with torch tensors (and Python scalars).
+
+    The template is resolved from the shapes at the first call for each new shape
+    bucket; kernels are cached in memory and their sources on disk.
+    """
+
+    def __init__(self, program: ProgramDef | Callable[..., Any], schedule: Schedule | None = None,
+                 allow_fallback: bool = False) -> None:
+        self.program_def = program if isinstance(program, ProgramDef) else ProgramDef(program)
+        self.schedule = schedule or Auto()
+        self.allow_fallback = allow_fallback
+        self._cache: dict[tuple[Any, ...], Executable] = {}
+        self._scratch: dict[tuple[Any, ...], dict[str, torch.Tensor]] = {}
+        self.fallback_reason: str | None = None
+
+    # --- compile ------------------------------------------------------------------
+    def executable_for(self, program: Program, args: dict[str, Any]) -> Executable:
+        """Compile (or fetch from cache) the kernels for these arguments."""
+        interpreter = interpreter_mode()
+        device = _check_tensors(program, args, interpreter)
+        sizes = axis_extents(program, args)
+        probe = fuse(program)
+        fused = probe[-1].program
+        roles = assign_roles(fused)
+        full_sizes = {a: sizes[a] for a in roles.full}
+        dtypes = {b.name: dtype_name(args[b.name].dtype) for b in program.inputs}
+        main_dtype = next(dtypes[b.name] for b in program.inputs if args[b.name].is_floating_point())
+        batch = math.prod(sizes[a] for a in roles.batch)
+        plan = choose(self.schedule, rows=sizes[roles.row], cols=sizes[roles.col], batch=batch,
+                      full_sizes=full_sizes, dtype=main_dtype, num_sms=_num_sms(device), interpreter=interpreter)
+        key = (program.fingerprint(), tuple(sorted(dtypes.items())), tuple(sorted(full_sizes.items())), plan,
+               interpreter, str(device))
+        if key in self._cache:
+            return self._cache[key]
+        steps = fuse(program, plan.splits)
+        fused = steps[-1].program
+        config = LoweringConfig(dtypes, main_dtype, full_sizes, plan.block_row, plan.block_col, plan.num_warps,
+                                plan.num_stages, plan.splits, main_dtype, partial_outputs=plan.splits > 1)
+        target = "interpreter" if interpreter else "cuda"
+        name = f"nf_{program.name}"
+        tile = lower(fused, config, name)
+        source = generate(tile, target)
+        main = KernelLaunch(tile, source, _load_kernel(source, name), fused)
+        combine = None
+        combine_steps: list[Step] = []
+        if plan.splits > 1:
+            cprog = combine_program(fused)
+            combine_steps = fuse(cprog)
+            cfused = combine_steps[-1].program
+            cdtypes = {b.name: ("f32" if b.name.startswith("part_") else dtypes[b.name]) for b in cprog.inputs}
+            cfull = {a: full_sizes[a] for a in assign_roles(cfused).full}
+            block_split = max(16, 1 << (plan.splits - 1).bit_length())
+            cconfig = LoweringConfig(cdtypes, main_dtype, cfull, plan.block_row, block_split, 4, 1, 1, "f32")
+            ctile = lower(cfused, cconfig, f"{name}_combine")
+            csource = generate(ctile, target)
+            combine = KernelLaunch(ctile, csource, _load_kernel(csource, ctile.name), cfused)
+        exe = Executable(steps, plan, main, combine, combine_steps)
+        self._cache[key] = exe
+        return exe
+
+    # --- run ----------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        named = dict(self.program_def.bind(*args, **kwargs))
+        program = self.program_def.trace(**named)
+        try:
+            exe = self.executable_for(program, named)
+        except FusionError as exc:
+            if not self.allow_fallback:
+                raise
+            if self.fallback_reason is None:
+                warnings.warn(f"neptune_fusion: running {program.name!r} unfused: {exc}", stacklevel=2)
+            self.fallback_reason = str(exc)
+            dtype = next(named[b.name].dtype for b in program.inputs if named[b.name].is_floating_point())
+            return run_reference(program, named, out_dtype=dtype)
+        return self.launch(exe, program, named)
+
+    def launch(self, exe: Executable, program: Program, named: dict[str, Any]) -> Any:
+        sizes = axis_extents(program, named)
+        device = named[program.inputs[0].name].device
+        out_dtype = next(named[b.name].dtype for b in program.inputs if named[b.name].is_floating_point())
+        buffers: dict[str, torch.Tensor] = {b.name: named[b.name] for b in program.inputs}
+        outputs: dict[str, torch.Tensor] = {}
+        fused = exe.main.program
+        for spec in fused.outputs:
+            stage = fused.stage(spec.stage)
+            outputs[spec.stage] = torch.empty([sizes[a] for a in stage.axes], dtype=out_dtype, device=device)
+        if exe.combine is not None:
+            loop = next(n for n in fused.stages if isinstance(n, FusedLoop))
+            scratch = self._scratch_for(loop, sizes, exe.plan.splits, device)
+            buffers.update(scratch)
+            self._run(exe.main, buffers, {}, sizes, named)
+            csizes = dict(sizes)
+            csizes[SPLIT_AXIS] = exe.plan.splits
+            self._run(exe.combine, buffers, outputs, csizes, named)
+        else:
+            self._run(exe.main, buffers, outputs, sizes, named)
+        results = []
+        for spec in program.outputs:
+            value = outputs[spec.stage]
+            results.append(value.reshape([sizes[d] if d else 1 for d in spec.dims]))
+        return results[0] if len(results) == 1 else tuple(results)
+
+    def _scratch_for(self, loop: FusedLoop, sizes: dict[str, int], splits: int,
+                     device: torch.device) -> dict[str, torch.Tensor]:
+        """Partial-state buffers, allocated once per shape and reused across calls."""
+        key = (loop.name, tuple(sorted(sizes.items())), splits, str(device))
+        if key not in self._scratch:
+            self._scratch[key] = {
+                f"part_{m.name}": torch.empty([splits, *(sizes[a] for a in m.axes)], dtype=torch.float32, device=device)
+                for m in loop.members
+            }
+        return self._scratch[key]
+
+    def _run(self, launch: KernelLaunch, buffers: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor],
+             sizes: dict[str, int], named: dict[str, Any]) -> None:
+        tile = launch.tile
+        tensors = dict(buffers)
+        tensors.update({f"out_{k}": v for k, v in outputs.items()})
+        call_args: list[Any] = []
+        for arg in tile.args:
+            kind, _, rest = arg.source.partition(":")
+            if kind == "input":
+                call_args.append(tensors[rest])
+            elif kind in ("output", "scratch"):
+                call_args.append(tensors[rest] if rest in tensors else tensors[f"out_{rest}"])
+            elif kind == "size":
+                call_args.append(sizes[rest])
+            elif kind == "stride":
+                buf, _, dim = rest.rpartition(":")
+                call_args.append(tensors[buf].stride(int(dim)))
+            elif kind == "param":
+                call_args.append(named[rest])
+            else:
+                raise ValueError(f"unknown kernel argument source {arg.source!r}")
+        env: dict[str, Any] = {f"size_{a}": s for a, s in sizes.items()}
+        env.update(tile.constexprs)
+        env["cdiv"] = lambda a, b: -(-a // b)
+        grid = tuple(int(eval(g, {"__builtins__": {}}, env)) for g in tile.grid)  # noqa: S307 - our own expressions
+        launch.fn[grid](*call_args, **tile.constexprs, num_warps=tile.num_warps, num_stages=tile.num_stages)
+
+
+def compile(program: ProgramDef | Callable[..., Any], schedule: Schedule | None = None,  # noqa: A001
+            allow_fallback: bool = False) -> Compiled:
+    """Compile a program for the GPU; the template is chosen from the shapes unless given.
+
+    Example:
+        >>> import neptune_fusion as nf
+        >>> # fn = nf.compile(attention, schedule=nf.flash(block_q=128, block_k=64))
+        >>> # out = fn(q, k, v, scale=0.088)
+    """
+    return Compiled(program, schedule, allow_fallback)

@@ -1,0 +1,44 @@
+"""`explain`: every stage of compilation as text — the best debugging tool.
+
+Example:
+    >>> # print(nf.explain(attention, q, k, v, scale=0.088))
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from neptune_fusion.ir.printer import format_program
+from neptune_fusion.lang.trace import ProgramDef
+from neptune_fusion.runtime.compiled import Compiled
+from neptune_fusion.schedule.templates import Schedule
+from neptune_fusion.tile.ir import format_tile_kernel
+
+
+def explain(program: ProgramDef | Callable[..., Any], *args: Any, schedule: Schedule | None = None,
+            **kwargs: Any) -> str:
+    """The input program, each fusion pass (with the derived repair terms), the tile program and Triton source."""
+    compiled = program if isinstance(program, Compiled) else Compiled(program, schedule)
+    named = dict(compiled.program_def.bind(*args, **kwargs))
+    prog = compiled.program_def.trace(**named)
+    exe = compiled.executable_for(prog, named)
+    out: list[str] = []
+
+    def section(title: str, body: str) -> None:
+        out.append(f"=== {title} ===")
+        out.append(body)
+        out.append("")
+
+    for i, step in enumerate(exe.steps):
+        section(f"{i}. {step.name}", format_program(step.program))
+    plan = exe.plan
+    section("schedule", f"template {plan.template}: block_row={plan.block_row} block_col={plan.block_col} "
+                        f"num_warps={plan.num_warps} num_stages={plan.num_stages} splits={plan.splits}")
+    section("tile program", format_tile_kernel(exe.main.tile))
+    section("Triton source", exe.main.source)
+    if exe.combine is not None:
+        section("combine program (generated from the repair functions)", format_program(exe.combine_steps[0].program))
+        section("combine after fusion", format_program(exe.combine.program))
+        section("combine tile program", format_tile_kernel(exe.combine.tile))
+        section("combine Triton source", exe.combine.source)
+    return "\n".join(out)

@@ -1,0 +1,70 @@
+"""Choosing a template and its parameters from the shapes.
+
+Example:
+    >>> plan = choose(Auto(), rows=4096, cols=4096, batch=32, full_sizes={"d": 128}, dtype="f16",
+    ...               num_sms=132, interpreter=False)
+    >>> plan.splits
+    1
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from neptune_fusion.schedule.templates import Auto, Flash, Schedule, SplitK
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A resolved schedule: everything the lowering needs to know about the mapping."""
+
+    block_row: int
+    block_col: int
+    num_warps: int
+    num_stages: int
+    splits: int
+
+    @property
+    def template(self) -> str:
+        return "split_k" if self.splits > 1 else "flash"
+
+
+def _pow2_at_least(n: int, lo: int = 16) -> int:
+    return max(lo, 1 << max(0, (n - 1).bit_length()))
+
+
+def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: dict[str, int], dtype: str,
+           num_sms: int, interpreter: bool) -> Plan:
+    """Resolve `schedule` for these sizes (rows: tiled axis, cols: reduced axis, batch: programs per row tile)."""
+    head = max(full_sizes.values(), default=64)
+    if interpreter:
+        block_row = min(32, _pow2_at_least(rows))
+        block_col = 32
+        warps, stages = 4, 1
+    else:
+        block_row = 128 if rows >= 128 else _pow2_at_least(rows)
+        block_col = 64 if head > 64 else 128
+        if dtype == "f32":
+            block_row, block_col = min(block_row, 64), 32
+        warps = 8 if block_row >= 128 else 4
+        stages = 3 if head <= 128 else 2
+    splits = 1
+    if isinstance(schedule, SplitK):
+        splits = schedule.splits or 0
+    elif isinstance(schedule, Auto):
+        programs = math.ceil(rows / block_row) * batch
+        splits = 0 if programs < num_sms and cols >= 4 * block_col else 1
+    if splits == 0:  # pick: enough programs to fill the device twice, chunks of at least 4 tiles
+        programs = math.ceil(rows / block_row) * batch
+        wanted = max(1, math.ceil(2 * num_sms / programs))
+        splits = max(1, min(wanted, cols // (4 * block_col), 128))
+    if isinstance(schedule, (Flash, SplitK)):
+        block_row = schedule.block_q or block_row
+        block_col = schedule.block_k or block_col
+        warps = schedule.num_warps or warps
+        stages = schedule.num_stages or stages
+    if splits > 1 and not interpreter and not (isinstance(schedule, (Flash, SplitK)) and schedule.block_q):
+        block_row = _pow2_at_least(rows)  if rows <= 64 else block_row
+        warps = 4
+    return Plan(block_row, block_col, warps, stages, splits)

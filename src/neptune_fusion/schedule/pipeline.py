@@ -1,0 +1,104 @@
+"""The fusion pipeline: named Program -> Program stages, recorded for `explain`.
+
+Example:
+    >>> # steps = fuse(program, splits=1); steps[-1].program is the fused program
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from neptune_fusion.analysis.chains import chain_axis
+from neptune_fusion.ir.errors import FusionError
+from neptune_fusion.ir.expr import Accumulator, Expr, Index, Load, Reduce, Running, transform_bottom_up
+from neptune_fusion.ir.program import FusedLoop, InputBuffer, OutputSpec, Program, Stage
+from neptune_fusion.transform.inline import inline_elementwise, inline_along, inline_stages
+from neptune_fusion.transform.normalize import hoist_invariant_factors
+from neptune_fusion.transform.rolling import rolling_update
+from neptune_fusion.transform.split_k import split_k_update
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    program: Program
+
+
+def fuse(program: Program, splits: int = 1) -> list[Step]:
+    """Run the fusion passes; the last step's program has one FusedLoop and the output stages."""
+    steps = [Step("input", program)]
+    axis = chain_axis(program)
+    if axis is None:
+        raise FusionError("analysis", program.name, "program", "the program has no reduction to fuse")
+    p = inline_elementwise(program)
+    steps.append(Step("inline elementwise stages", p))
+    p = hoist_invariant_factors(p)
+    steps.append(Step("commute normalisations past linear reductions", p))
+    p = inline_along(p, axis)
+    steps.append(Step(f"inline stages indexed by the loop axis {axis!r} (recomputed per tile, never stored)", p))
+    members = {st.name for st in p.stages if isinstance(st, Stage) and st.reduce_axis == axis}
+    outputs = {o.stage for o in p.outputs}
+    p = inline_stages(p, lambda st: st.name not in members and st.name not in outputs)
+    steps.append(Step("inline everything else into the loop and the outputs", p))
+    p = rolling_update(p, axis)
+    steps.append(Step(f"rolling update along {axis!r} (derived repair terms)", p))
+    if splits > 1:
+        p = split_k_update(p, axis, splits)
+        steps.append(Step(f"split-K update: {splits} chunks along {axis!r}", p))
+    return steps
+
+
+SPLIT_AXIS = "split"
+
+
+def combine_program(fused: Program) -> Program:
+    """The program that merges split-K partial states: generated from the repair functions.
+
+    Inputs are `part_<member>[split, *member axes]`; each member becomes a reduction
+    over the split axis of its repaired partial state: `X = f_c h(X_c, R_c, R)`.
+    The output stages of `fused` follow unchanged.
+    """
+    loop = next(n for n in fused.stages if isinstance(n, FusedLoop))
+    inputs = []
+    stages: list[Stage] = []
+    split = Index(SPLIT_AXIS)
+    axis_sizes = {SPLIT_AXIS: (f"part_{loop.members[0].name}", 0)}
+    for m in loop.members:
+        inputs.append(InputBuffer(f"part_{m.name}", (SPLIT_AXIS, *m.axes)))
+        for i, a in enumerate(m.axes):
+            axis_sizes.setdefault(a, (f"part_{m.name}", i + 1))
+
+    def part(name: str) -> Load:
+        return Load(f"part_{name}", (split, *(Index(a) for a in loop.member(name).axes)))
+
+    for m in loop.members:
+        producers = loop.producers.get(m.name, ())
+        body: Expr = part(m.name)
+        if producers:
+            repair = loop.repairs[m.name]
+            assert repair is not None
+
+            def rule(node: Expr, m: Stage = m) -> Expr | None:
+                if isinstance(node, Accumulator):
+                    return part(m.name)
+                if isinstance(node, Running):
+                    prod = loop.member(node.stage)
+                    if node.which == "old":
+                        return part(node.stage)
+                    return Load(node.stage, tuple(Index(a) for a in prod.axes))
+                return None
+
+            body = transform_bottom_up(repair, rule)
+        assert m.reduce_op is not None
+        stages.append(Stage(m.name, m.axes, Reduce(m.reduce_op, SPLIT_AXIS, body)))
+    post = [n for n in fused.stages if isinstance(n, Stage)]
+    outputs = tuple(OutputSpec(o.stage, o.dims) for o in fused.outputs)
+    other_inputs = [b for b in fused.inputs if any(b.name in st.reads() for st in post)]
+    for b in other_inputs:
+        for i, a in enumerate(b.dims):
+            if a is not None:
+                axis_sizes.setdefault(a, (b.name, i))
+    prog = Program(f"{fused.name}_combine", tuple(inputs + other_inputs), fused.params, tuple(stages + post),
+                   outputs, axis_sizes, dict(fused.param_kinds))
+    prog.validate()
+    return prog

@@ -1,0 +1,82 @@
+"""Scheduling templates: how a fused program is mapped to GPU programs.
+
+`flash` rolls the fused reductions along the key axis inside each program (one
+program per tile of rows): FlashAttention. `split_k` also splits the key axis over
+programs and merges partial states: FlashDecoding. `auto` picks from the shapes.
+
+Example:
+    >>> import neptune_fusion as nf
+    >>> nf.flash(block_q=128, block_k=64)
+    Flash(block_q=128, block_k=64, num_warps=None, num_stages=None)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Flash:
+    """Rolling update along the reduced axis; one program per `block_q` rows.
+
+    Unset fields are chosen from the shapes (see `schedule.auto.choose`).
+    """
+
+    block_q: int | None = None
+    block_k: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("block_q", "block_k"):
+            v = getattr(self, name)
+            if v is not None and (v < 16 or v & (v - 1)):
+                raise ValueError(f"{name} must be a power of two >= 16, got {v}")
+        if self.num_warps is not None and self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps must be one of 1, 2, 4, 8, 16, got {self.num_warps}")
+        if self.num_stages is not None and not 1 <= self.num_stages <= 8:
+            raise ValueError(f"num_stages must be in 1..8, got {self.num_stages}")
+
+
+@dataclass(frozen=True)
+class SplitK:
+    """Split the reduced axis into `splits` chunks run by different programs, then combine.
+
+    Within a chunk the reductions roll as in `Flash`. `splits=None` picks from the shapes.
+    """
+
+    splits: int | None = None
+    block_q: int | None = None
+    block_k: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.splits is not None and self.splits < 1:
+            raise ValueError(f"splits must be >= 1, got {self.splits}")
+        Flash(self.block_q, self.block_k, self.num_warps, self.num_stages)
+
+
+@dataclass(frozen=True)
+class Auto:
+    """Pick `Flash` or `SplitK` and their parameters from the shapes at the first call."""
+
+
+Schedule = Flash | SplitK | Auto
+
+
+def flash(block_q: int | None = None, block_k: int | None = None, num_warps: int | None = None,
+          num_stages: int | None = None) -> Flash:
+    """The FlashAttention template: rolling update along the reduced axis."""
+    return Flash(block_q, block_k, num_warps, num_stages)
+
+
+def split_k(splits: int | None = None, block_q: int | None = None, block_k: int | None = None,
+            num_warps: int | None = None, num_stages: int | None = None) -> SplitK:
+    """The FlashDecoding template: split the reduced axis over programs, merge with repairs."""
+    return SplitK(splits, block_q, block_k, num_warps, num_stages)
+
+
+def auto() -> Auto:
+    """Choose the template from the shapes at the first call."""
+    return Auto()

@@ -1,0 +1,124 @@
+"""The tile IR: what one GPU program does, as operations on tiles.
+
+A `TVal` is a tile value: a name, the tile axes it varies along (a subset of the
+kernel's tile axes, always in the kernel's canonical order; () for a scalar) and
+an element dtype. Operations combine tile values with broadcasting by axis name,
+so the code generator only has to insert `[:, None]`-style expansions.
+
+Example:
+    >>> TVal("s0", ("q", "k"), "f32")
+    TVal(name='s0', axes=('q', 'k'), dtype='f32')
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+
+@dataclass(frozen=True)
+class TVal:
+    name: str
+    axes: tuple[str, ...]
+    dtype: str
+
+
+@dataclass
+class Op:
+    """`out = kind(args; attrs)`. Kinds and their attrs:
+
+    const(value) | param(name) | size(axis) | stride(buffer, dim) | program_id(dim) |
+    arange(axis; args: start) | unary(op) | binary(op) | where | cast(dtype) |
+    reduce(op, axis) | dot(precision; args: a, b[, acc]) | load(buffer; args: offsets[, mask], other) |
+    full(value) (a tile of `out.axes` filled with value)
+    """
+
+    out: TVal
+    kind: str
+    args: tuple[TVal, ...] = ()
+    attrs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Store:
+    buffer: str
+    base: TVal  # scalar (per-program) offset
+    offsets: TVal
+    value: TVal
+    mask: TVal | None
+
+
+@dataclass
+class Assign:
+    """Rebind a loop-carried variable to a new value at the end of a loop body."""
+
+    target: TVal
+    value: TVal
+
+
+@dataclass
+class Loop:
+    """`for var in range(start, stop, step)`: `var` is a scalar i32 tile value inside `body`."""
+
+    var: TVal
+    start: TVal
+    stop: TVal
+    step: str  # a constexpr name or literal
+    body: list[Stmt]
+    comment: str = ""
+
+
+Stmt = Union[Op, Store, Assign, Loop]
+
+
+@dataclass
+class KernelArg:
+    """One kernel parameter: a pointer, an int size/stride, a float/int scalar, or a constexpr."""
+
+    name: str
+    kind: str  # "pointer" | "int" | "float" | "constexpr"
+    source: str  # what the launcher passes: "input:<name>", "output:<name>", "scratch:<name>",
+    #              "size:<axis>", "stride:<buffer>:<dim>", "param:<name>", "const:<value>"
+
+
+@dataclass
+class TileKernel:
+    """A whole kernel: its arguments, grid, tile axes and statements."""
+
+    name: str
+    args: list[KernelArg]
+    tile_axes: tuple[str, ...]
+    block_sizes: dict[str, str]  # tile axis -> constexpr name of its block size
+    grid: list[str]  # launcher expressions per grid dimension, over sizes and constexprs
+    body: list[Stmt]
+    num_warps: int
+    num_stages: int
+    constexprs: dict[str, int]
+    notes: list[str] = field(default_factory=list)
+
+
+def format_tile_kernel(kernel: TileKernel) -> str:
+    """Readable text of a tile kernel (for `explain`)."""
+    lines = [f"tile kernel {kernel.name}: grid ({', '.join(kernel.grid)}), tile axes {kernel.tile_axes}, "
+             f"blocks {kernel.constexprs}, warps {kernel.num_warps}, stages {kernel.num_stages}"]
+    lines.extend(f"  note: {n}" for n in kernel.notes)
+
+    def fmt(stmts: list[Stmt], indent: str) -> None:
+        for st in stmts:
+            if isinstance(st, Op):
+                attrs = ", ".join(f"{k}={v}" for k, v in st.attrs.items())
+                args = ", ".join(a.name for a in st.args)
+                inner = ", ".join(x for x in (args, attrs) if x)
+                lines.append(f"{indent}{st.out.name}: {st.out.dtype}[{','.join(st.out.axes)}] = {st.kind}({inner})")
+            elif isinstance(st, Store):
+                mask = f" if {st.mask.name}" if st.mask else ""
+                lines.append(f"{indent}store {st.buffer}[{st.base.name} + {st.offsets.name}] = {st.value.name}{mask}")
+            elif isinstance(st, Assign):
+                lines.append(f"{indent}{st.target.name} <- {st.value.name}")
+            else:
+                note = f"   # {st.comment}" if st.comment else ""
+                lines.append(f"{indent}for {st.var.name} in range({st.start.name}, {st.stop.name}, {st.step}):{note}")
+                fmt(st.body, indent + "  ")
+
+    fmt(kernel.body, "  ")
+    return "\n".join(lines)

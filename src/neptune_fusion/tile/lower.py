@@ -1,0 +1,688 @@
+"""Lowering of a fused Program to a tile kernel.
+
+The fused program is one `FusedLoop` followed by output stages. Axes get roles:
+the *row* axis is tiled per program (block_q), the loop *col* axis is walked in
+tiles (block_k), *batch* axes become program ids, *full* axes (head dims) are held
+whole in a tile. Every expression is lowered generically: loads compute addresses
+from their index expressions (so gathers work), contractions of two operands
+become `dot`, other reductions become row reductions, and values that do not
+depend on the loop are computed once before it. Mask analysis splits the loop into
+tiles that need mask arithmetic and tiles that need none, and skips the rest.
+
+Example:
+    >>> # kernel = lower(fused_program, LoweringConfig(...)); print(format_tile_kernel(kernel))
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from neptune_fusion.analysis.masks import MaskInfo, analyze_masks
+from neptune_fusion.ir.errors import UnsupportedProgramError
+from neptune_fusion.ir.expr import (
+    REDUCER_IDENTITY, Accumulator, Binary, Cast, Const, Expr, Index, Load, Param, Reduce, Running,
+    Unary, Where, free_axes, loads_of, substitute_index, transform_bottom_up, walk,
+)
+from neptune_fusion.ir.program import FusedLoop, Program, Stage
+from neptune_fusion.tile.ir import Assign, KernelArg, Loop, Op, Stmt, Store, TileKernel, TVal
+
+LOG2E = 1.4426950408889634
+STRIDE_PREFIX = "__stride__"
+FLOAT_DTYPES = ("f32", "f16", "bf16")
+
+
+@dataclass(frozen=True)
+class AxisRoles:
+    row: str
+    col: str
+    batch: tuple[str, ...]
+    full: tuple[str, ...]
+
+    @property
+    def tile_axes(self) -> tuple[str, ...]:
+        return (self.row, self.col, *self.full)
+
+
+@dataclass
+class LoweringConfig:
+    """Everything shape-dependent the lowering needs (resolved by the schedule)."""
+
+    input_dtypes: dict[str, str]
+    output_dtype: str
+    full_sizes: dict[str, int]
+    block_row: int
+    block_col: int
+    num_warps: int
+    num_stages: int
+    splits: int = 1
+    dot_dtype: str = "f16"
+    partial_outputs: bool = False  # split-K: store member states to scratch instead of outputs
+    notes: list[str] = field(default_factory=list)
+
+
+def fused_loop_of(program: Program) -> FusedLoop:
+    loops = [n for n in program.stages if isinstance(n, FusedLoop)]
+    if len(loops) != 1:
+        raise UnsupportedProgramError("tile lowering", program.name, "program",
+                                      f"expected exactly one fused loop, found {len(loops)}")
+    return loops[0]
+
+
+def assign_roles(program: Program) -> AxisRoles:
+    """Row, loop, batch and full axes of a fused program (see module docstring)."""
+    loop = fused_loop_of(program)
+    smallest = min(loop.members, key=lambda m: len(m.axes))
+    if not smallest.axes:
+        raise UnsupportedProgramError("tile lowering", smallest.name, f"{smallest.reduce_op} over {loop.axis}",
+                                      "a reduction to a single value has no row axis to tile")
+    row = smallest.axes[-1]
+    batch = smallest.axes[:-1]
+    full: list[str] = []
+    known = {row, loop.axis, *batch}
+
+    def note(axes: set[str] | tuple[str, ...]) -> None:
+        for a in axes:
+            if a not in known and a not in full:
+                full.append(a)
+
+    for st in program.all_stages():
+        note(st.axes)
+        for node in walk(st.body):
+            if isinstance(node, Reduce):
+                note({node.axis})
+            if isinstance(node, Index):
+                note({node.axis})
+    for m in loop.members:
+        if loop.axis in m.axes:
+            raise UnsupportedProgramError("tile lowering", m.name, f"{m.reduce_op} over {loop.axis}",
+                                          "a member of the loop is indexed by the loop axis")
+        if not set(batch) <= set(m.axes) and m is not smallest:
+            pass
+    return AxisRoles(row, loop.axis, tuple(batch), tuple(full))
+
+
+class _Scope:
+    def __init__(self, stmts: list[Stmt]) -> None:
+        self.stmts = stmts
+        self.memo: dict[Expr, TVal] = {}
+
+
+@dataclass
+class _Ctx:
+    """What loads and placeholders mean where an expression is being lowered."""
+
+    values: dict[str, TVal]  # member/stage name -> its value here (running or final)
+    placeholders: dict[Expr, TVal]
+    valid: dict[str, TVal | None]  # tile axis -> its in-bounds mask (None: always in bounds)
+    replace: dict[Expr, Expr]  # mask where-nodes -> what they become in this kind of tile
+    variant: bool  # inside the loop body
+
+
+class KernelBuilder:
+    """Builds one TileKernel for a fused program."""
+
+    def __init__(self, program: Program, config: LoweringConfig, name: str) -> None:
+        self.program = program
+        self.config = config
+        self.loop = fused_loop_of(program)
+        self.roles = assign_roles(program)
+        for axis in self.roles.full:
+            if axis not in config.full_sizes:
+                raise UnsupportedProgramError("tile lowering", program.name, f"axis {axis}",
+                                              "the size of a full (head-dim) axis must be known at compile time")
+            if config.full_sizes[axis] > 512:
+                raise UnsupportedProgramError(
+                    "tile lowering", program.name, f"axis {axis}",
+                    f"axis {axis!r} (size {config.full_sizes[axis]}) is held whole in registers; sizes above 512 are not supported",
+                )
+        self.name = name
+        self.counter = 0
+        self.body: list[Stmt] = []
+        self.scopes = [_Scope(self.body)]
+        self.args: list[KernelArg] = []
+        self.arg_index: dict[str, TVal] = {}
+        self.consts: dict[tuple[str, str], TVal] = {}
+        self.member_names = {m.name for m in self.loop.members}
+        self.block = {self.roles.row: "BLOCK_R", self.roles.col: "BLOCK_C"}
+        self.constexprs: dict[str, int] = {"BLOCK_R": config.block_row, "BLOCK_C": config.block_col}
+        for axis in self.roles.full:
+            size = config.full_sizes[axis]
+            self.block[axis] = f"BLOCK_{axis.upper()}"
+            self.constexprs[f"BLOCK_{axis.upper()}"] = max(16, 1 << (size - 1).bit_length())
+            self.constexprs[f"SIZE_{axis.upper()}"] = size
+        if config.splits > 1:
+            self.constexprs["SPLITS"] = config.splits
+        int_params = {p for p, k in program.param_kinds.items() if k == "int"}
+        self.masks: MaskInfo = analyze_masks(self.loop, self.roles.row, int_params)
+
+    # --- values -----------------------------------------------------------------
+    def fresh(self, prefix: str) -> str:
+        self.counter += 1
+        return f"{prefix}{self.counter}"
+
+    def op(self, kind: str, axes: tuple[str, ...], dtype: str, args: tuple[TVal, ...] = (),
+           scope: _Scope | None = None, prefix: str = "v", **attrs: object) -> TVal:
+        out = TVal(self.fresh(prefix), self._canon(axes), dtype)
+        (scope or self.scopes[-1]).stmts.append(Op(out, kind, args, dict(attrs)))
+        return out
+
+    def _canon(self, axes: tuple[str, ...] | set[str]) -> tuple[str, ...]:
+        order = self.roles.tile_axes
+        return tuple(a for a in order if a in set(axes))
+
+    def union(self, *vals: TVal) -> tuple[str, ...]:
+        s: set[str] = set()
+        for v in vals:
+            s |= set(v.axes)
+        return self._canon(s)
+
+    def kernel_arg(self, name: str, kind: str, source: str, dtype: str) -> TVal:
+        if name not in self.arg_index:
+            self.args.append(KernelArg(name, kind, source))
+            self.arg_index[name] = TVal(name, (), dtype)
+        return self.arg_index[name]
+
+    def size(self, axis: str) -> TVal:
+        if axis in self.roles.full:
+            return TVal(f"SIZE_{axis.upper()}", (), "i32")
+        return self.kernel_arg(f"size_{axis}", "int", f"size:{axis}", "i32")
+
+    def const(self, value: object, scope: _Scope | None = None) -> TVal:
+        dtype = "bool" if isinstance(value, bool) else ("i32" if isinstance(value, int) else "f32")
+        key = (type(value).__name__, repr(value))
+        if key not in self.consts:
+            self.consts[key] = self.op("const", (), dtype, scope=self.scopes[0], prefix="c", value=value)
+        return self.consts[key]
+
+    def to(self, v: TVal, dtype: str, scope: _Scope | None = None) -> TVal:
+        if v.dtype == dtype:
+            return v
+        return self.op("cast", v.axes, dtype, (v,), scope=scope, prefix="t", to_dtype=dtype)
+
+    def bin(self, op: str, a: TVal, b: TVal, scope: _Scope | None = None) -> TVal:
+        if op in ("lt", "le", "gt", "ge", "eq", "ne"):
+            a, b = self._promote(a, b, scope)
+            return self.op("binary", self.union(a, b), "bool", (a, b), scope=scope, op=op)
+        if op in ("and", "or"):
+            dt = "bool" if a.dtype == b.dtype == "bool" else "i32"
+            return self.op("binary", self.union(a, b), dt, (self.to(a, dt, scope), self.to(b, dt, scope)), scope=scope, op=op)
+        a, b = self._promote(a, b, scope)
+        if op == "div" and a.dtype not in FLOAT_DTYPES:
+            a, b = self.to(a, "f32", scope), self.to(b, "f32", scope)
+        return self.op("binary", self.union(a, b), a.dtype, (a, b), scope=scope, op=op)
+
+    def _promote(self, a: TVal, b: TVal, scope: _Scope | None) -> tuple[TVal, TVal]:
+        if a.dtype in FLOAT_DTYPES or b.dtype in FLOAT_DTYPES:
+            return self.to(a, "f32", scope), self.to(b, "f32", scope)
+        if "i64" in (a.dtype, b.dtype):
+            return self.to(a, "i64", scope), self.to(b, "i64", scope)
+        if a.dtype == "bool" and b.dtype == "bool":
+            return a, b
+        return self.to(a, "i32", scope), self.to(b, "i32", scope)
+
+    # --- expressions --------------------------------------------------------------
+    def is_variant(self, expr: Expr, ctx: _Ctx) -> bool:
+        if not ctx.variant:
+            return False
+        col = self.roles.col
+        if any((isinstance(n, Index) and n.axis == col) or (isinstance(n, Reduce) and n.axis == col) for n in walk(expr)):
+            return True
+        if loads_of(expr) & self.member_names:
+            return True
+        return any(isinstance(n, (Accumulator, Running)) for n in walk(expr))
+
+    def emit(self, expr: Expr, ctx: _Ctx) -> TVal:
+        if expr in ctx.placeholders:
+            return ctx.placeholders[expr]
+        variant = self.is_variant(expr, ctx)
+        scope = self.scopes[-1] if variant else self.scopes[0]
+        if expr in scope.memo:
+            return scope.memo[expr]
+        saved = self.scopes
+        if not variant:
+            self.scopes = [self.scopes[0]]
+        try:
+            out = self._emit(expr, ctx if variant else _Ctx(ctx.values, {}, ctx.valid, {}, False))
+        finally:
+            self.scopes = saved
+        scope.memo[expr] = out
+        return out
+
+    def _emit(self, expr: Expr, ctx: _Ctx) -> TVal:
+        if expr in ctx.replace:
+            return self.emit(ctx.replace[expr], ctx)
+        if isinstance(expr, Const):
+            return self.const(expr.value, self.scopes[-1])
+        if isinstance(expr, Param) and expr.name.startswith(STRIDE_PREFIX):
+            buf, _, dim = expr.name[len(STRIDE_PREFIX):].rpartition(":")
+            return self.kernel_arg(f"stride_{buf}_{dim}", "int", f"stride:{buf}:{dim}", "i32")
+        if isinstance(expr, Param):
+            kind = self.program.param_kinds.get(expr.name, "float")
+            return self.kernel_arg(f"param_{expr.name}", "int" if kind == "int" else "float",
+                                   f"param:{expr.name}", "i32" if kind == "int" else "f32")
+        if isinstance(expr, Index):
+            if expr.axis not in self.bindings:
+                raise UnsupportedProgramError("tile lowering", self.program.name, f"axis {expr.axis}",
+                                              "index of an axis that has no binding in this kernel")
+            return self.bindings[expr.axis]
+        if isinstance(expr, Load):
+            return self._load(expr, ctx)
+        if isinstance(expr, Unary):
+            return self._unary(expr, ctx)
+        if isinstance(expr, Binary):
+            if expr.op == "pow":
+                if isinstance(expr.b, Const) and isinstance(expr.b.value, (int, float)) and float(expr.b.value).is_integer() and 1 <= expr.b.value <= 8:
+                    base = self.emit(expr.a, ctx)
+                    out = base
+                    for _ in range(int(expr.b.value) - 1):
+                        out = self.bin("mul", out, base)
+                    return out
+                raise UnsupportedProgramError("tile lowering", self.program.name, "pow",
+                                              "only small positive integer powers are supported in kernels")
+            a, b = self.emit(expr.a, ctx), self.emit(expr.b, ctx)
+            return self.bin(expr.op, a, b)
+        if isinstance(expr, Where):
+            c = self.emit(expr.cond, ctx)
+            a, b = self.emit(expr.a, ctx), self.emit(expr.b, ctx)
+            a, b = self._promote(a, b, None)
+            c = self.to(c, "bool")
+            return self.op("where", self.union(c, a, b), a.dtype, (c, a, b))
+        if isinstance(expr, Cast):
+            x = self.emit(expr.x, ctx)
+            if expr.dtype in FLOAT_DTYPES:
+                # a cast to a narrower float rounds; compute stays in f32
+                return self.to(self.to(x, expr.dtype), "f32") if expr.dtype != "f32" else self.to(x, "f32")
+            return self.to(x, expr.dtype)
+        if isinstance(expr, Reduce):
+            return self._reduce(expr, ctx)
+        raise UnsupportedProgramError("tile lowering", self.program.name, "expression",
+                                      f"cannot lower {type(expr).__name__}")
+
+    def _unary(self, expr: Unary, ctx: _Ctx) -> TVal:
+        if expr.op == "exp":
+            # exp(x) = exp2(x * log2 e), with log2 e folded into scalar factors of x
+            return self._unary_f32("exp2", self._times_log2e(expr.x, ctx))
+        x = self.emit(expr.x, ctx)
+        if expr.op == "neg":
+            return self.op("unary", x.axes, x.dtype if x.dtype != "bool" else "i32", (x,), op="neg")
+        if expr.op == "not":
+            return self.op("unary", x.axes, "bool", (self.to(x, "bool"),), op="not")
+        if expr.op == "abs":
+            return self.op("unary", x.axes, x.dtype, (x,), op="abs")
+        return self._unary_f32(expr.op, x)
+
+    def _unary_f32(self, op: str, x: TVal) -> TVal:
+        x = self.to(x, "f32")
+        return self.op("unary", x.axes, "f32", (x,), op=op)
+
+    def _times_log2e(self, expr: Expr, ctx: _Ctx) -> TVal:
+        if isinstance(expr, Binary) and expr.op in ("add", "sub"):
+            return self.bin(expr.op, self._times_log2e(expr.a, ctx), self._times_log2e(expr.b, ctx))
+        if isinstance(expr, Unary) and expr.op == "neg":
+            x = self._times_log2e(expr.x, ctx)
+            return self.op("unary", x.axes, x.dtype, (x,), op="neg")
+        if isinstance(expr, Binary) and expr.op in ("mul", "div"):
+            for tile, scalar in ((expr.a, expr.b), (expr.b, expr.a)):
+                if expr.op == "div" and scalar is not expr.b:
+                    continue
+                if not free_axes(scalar) and not loads_of(scalar):
+                    s = self.emit(scalar, ctx)
+                    s = self.to(s, "f32", self.scopes[0])
+                    factor = self.const(LOG2E)
+                    folded = (self.bin("mul", s, factor, self.scopes[0]) if expr.op == "mul"
+                              else self.bin("div", factor, s, self.scopes[0]))
+                    return self.bin("mul", self.emit(tile, ctx), folded)
+        x = self.emit(expr, ctx)
+        return self.bin("mul", x, self.const(LOG2E))
+
+    def _load(self, expr: Load, ctx: _Ctx) -> TVal:
+        if expr.buffer in ctx.values:
+            return ctx.values[expr.buffer]
+        if expr.buffer not in self.config.input_dtypes:
+            stage = self.program.stage(expr.buffer)
+            if isinstance(self.program.producer_of(expr.buffer), FusedLoop):
+                raise UnsupportedProgramError("tile lowering", expr.buffer, "load", "value of a loop member is not available here")
+            return self.emit(substitute_index(stage.body, dict(zip(stage.axes, expr.index))), ctx)
+        scalar, tile, mask_axes = self.address(expr.buffer, expr.index)
+        base = self.emit(scalar, ctx) if scalar is not None else None
+        offset = self.emit(tile, ctx) if tile is not None else None
+        mask: TVal | None = None
+        for axis in self._canon(mask_axes):
+            v = ctx.valid.get(axis)
+            if v is not None:
+                mask = v if mask is None else self.bin("and", mask, v)
+        self.kernel_arg(f"{expr.buffer}_ptr", "pointer", f"input:{expr.buffer}", "ptr")
+        dtype = self.config.input_dtypes[expr.buffer]
+        zero = self.const(0)
+        args = (base or zero, offset or zero) + ((mask,) if mask is not None else ())
+        axes = offset.axes if offset is not None else ()
+        return self.op("load", axes, dtype, args, prefix="ld", buffer=expr.buffer)
+
+    def address(self, buffer: str, index: tuple[Expr, ...]) -> tuple[Expr | None, Expr | None, set[str]]:
+        """(scalar i64 offset, tile i32 offset, tile axes it depends on) of element `index` of `buffer`.
+
+        The per-program part (batch indices) is 64-bit so large tensors do not overflow; the
+        part that varies across the tile stays 32-bit, and its terms are ordered so that the
+        ones independent of the loop axis are computed once before the loop.
+        """
+        tile_axes = set(self.roles.tile_axes)
+        scalar_terms: list[Expr] = []
+        tile_terms: list[tuple[bool, Expr]] = []
+        mask_axes: set[str] = set()
+        for dim, idx in enumerate(index):
+            if isinstance(idx, Const) and idx.value == 0:
+                continue
+            stride = Param(f"{STRIDE_PREFIX}{buffer}:{dim}")
+            used = {n.axis for n in walk(idx) if isinstance(n, Index)} & tile_axes
+            if not used:
+                scalar_terms.append(Binary("mul", Cast(idx, "i64"), Cast(stride, "i64")))
+            else:
+                tile_terms.append((self.roles.col in used, Binary("mul", idx, stride)))
+                mask_axes |= used
+        tile_terms.sort(key=lambda t: t[0])
+        scalar = None
+        for term in scalar_terms:
+            scalar = term if scalar is None else Binary("add", scalar, term)
+        tile = None
+        for _, term in tile_terms:
+            tile = term if tile is None else Binary("add", tile, term)
+        return scalar, tile, mask_axes
+
+    # --- reductions ---------------------------------------------------------------
+    def _factors(self, expr: Expr) -> list[Expr]:
+        if isinstance(expr, Binary) and expr.op == "mul":
+            return self._factors(expr.a) + self._factors(expr.b)
+        return [expr]
+
+    def contraction(self, expr: Reduce, ctx: _Ctx) -> tuple[TVal, TVal] | None:
+        """(A, B) operands if `expr` is sum over a tile axis of a product that maps to a dot."""
+        if expr.op != "sum" or expr.axis not in self.roles.tile_axes:
+            return None
+        factors = self._factors(expr.body)
+        if len(factors) < 2:
+            return None
+        vals = [self.emit(f, ctx) for f in factors]
+        k = expr.axis
+        others = set().union(*(set(v.axes) for v in vals)) - {k}
+        if len(others) != 2 or not all(k in v.axes or not v.axes for v in vals):
+            return None
+        x, y = self._canon(others)
+        side_a = [v for v in vals if set(v.axes) <= {x, k} and v.axes]
+        side_b = [v for v in vals if set(v.axes) <= {y, k} and v.axes and v not in side_a]
+        scalars = [v for v in vals if not v.axes]
+        if len(side_a) + len(side_b) + len(scalars) != len(vals) or not side_a or not side_b:
+            return None
+        a = side_a[0]
+        for v in side_a[1:] + scalars:
+            a = self.bin("mul", a, v)
+        b = side_b[0]
+        for v in side_b[1:]:
+            b = self.bin("mul", b, v)
+        if set(a.axes) != {x, k} or set(b.axes) != {y, k}:
+            return None
+        valid = ctx.valid.get(k)
+        if valid is not None:
+            if not self._is_plain_load(a):
+                a = self.op("where", self.union(valid, a), a.dtype, (valid, a, self._zero(a.dtype)))
+            if not self._is_plain_load(b):
+                b = self.op("where", self.union(valid, b), b.dtype, (valid, b, self._zero(b.dtype)))
+        dot_dtype = self.config.dot_dtype
+        return self.to(a, dot_dtype), self.to(b, dot_dtype)
+
+    def _is_plain_load(self, v: TVal) -> bool:
+        for st in reversed(self.scopes[-1].stmts + self.scopes[0].stmts):
+            if isinstance(st, Op) and st.out == v:
+                return st.kind == "load"
+        return False
+
+    def _zero(self, dtype: str) -> TVal:
+        return self.to(self.const(0.0), dtype, self.scopes[0]) if dtype in FLOAT_DTYPES else self.const(0)
+
+    def dot(self, a: TVal, b: TVal, k: str, acc: TVal | None = None) -> TVal:
+        axes = self._canon((set(a.axes) | set(b.axes)) - {k})
+        args = (a, b) if acc is None else (a, b, self.to(acc, "f32"))
+        precision = "ieee" if self.config.dot_dtype == "f32" else None
+        return self.op("dot", axes, "f32", args, prefix="dot", k=k, precision=precision)
+
+    def _reduce(self, expr: Reduce, ctx: _Ctx) -> TVal:
+        if expr.op not in ("sum", "max", "min"):
+            raise UnsupportedProgramError("tile lowering", self.program.name, f"{expr.op} over {expr.axis}",
+                                          "only sum, max and min reductions are lowered to kernels")
+        if expr.axis not in self.roles.tile_axes:
+            raise UnsupportedProgramError("tile lowering", self.program.name, f"{expr.op} over {expr.axis}",
+                                          "a reduction over an axis that is not a tile axis of this kernel")
+        operands = self.contraction(expr, ctx)
+        if operands is not None:
+            return self.dot(operands[0], operands[1], expr.axis)
+        body = self.emit(expr.body, ctx)
+        if body.dtype not in FLOAT_DTYPES:
+            body = self.to(body, "f32")
+        body = self.to(body, "f32")
+        valid = ctx.valid.get(expr.axis)
+        if expr.axis not in body.axes:
+            if expr.op != "sum":
+                return body
+            ones = self.op("full", (expr.axis,), "f32", prefix="ones", value=1.0)
+            if valid is not None:
+                ones = self.op("where", ones.axes, "f32", (valid, ones, self._zero("f32")))
+            count = self.op("reduce", (), "f32", (ones,), op="sum", axis=expr.axis)
+            return self.bin("mul", body, count)
+        if valid is not None:
+            ident = self.const(REDUCER_IDENTITY[expr.op])
+            body = self.op("where", self.union(valid, body), "f32", (valid, body, ident))
+        out_axes = tuple(a for a in body.axes if a != expr.axis)
+        return self.op("reduce", out_axes, "f32", (body,), prefix="red", op=expr.op, axis=expr.axis)
+
+    # --- kernel structure ---------------------------------------------------------------
+    def build(self) -> TileKernel:
+        roles, cfg = self.roles, self.config
+        k0 = self.scopes[0]
+        # program ids: rows (heaviest tiles first), flattened batch, split
+        pid_r = self.op("program_id", (), "i32", prefix="pid", dim=0)
+        n_rows = self.size(roles.row)
+        n_tiles = self.op("cdiv", (), "i32", (n_rows,), prefix="ntiles", block="BLOCK_R")
+        last = self.bin("sub", n_tiles, self.const(1))
+        row_tile = self.bin("sub", last, pid_r)
+        r0 = self.bin("mul", row_tile, TVal("BLOCK_R", (), "i32"))
+        self.bindings: dict[str, TVal] = {}
+        pid_b = self.op("program_id", (), "i32", prefix="pid", dim=1)
+        rest = pid_b
+        for axis in reversed(roles.batch):
+            size = self.size(axis)
+            self.bindings[axis] = self.bin("mod", rest, size)
+            rest = self.bin("floordiv", rest, size)
+        self.bindings[roles.row] = self.op("arange", (roles.row,), "i32", (r0,), prefix="rows", block="BLOCK_R")
+        for axis in roles.full:
+            self.bindings[axis] = self.op("arange", (axis,), "i32", (self.const(0),), prefix="offs", block=self.block[axis])
+        valid: dict[str, TVal | None] = {roles.row: self.bin("lt", self.bindings[roles.row], n_rows)}
+        for axis in roles.full:
+            size = cfg.full_sizes[axis]
+            valid[axis] = None if size == self.constexprs[self.block[axis]] else self.bin("lt", self.bindings[axis], self.size(axis))
+        state = self._init_state()
+        segments = self._loop_segments(r0)
+        for start, stop, masked, comment in segments:
+            self._emit_loop(start, stop, masked, state, valid, comment)
+        self._emit_outputs(state, valid)
+        grid = [f"cdiv(size_{roles.row}, BLOCK_R)", " * ".join(f"size_{a}" for a in roles.batch) or "1"]
+        if cfg.splits > 1:
+            grid.append("SPLITS")
+        del k0
+        return TileKernel(self.name, self.args, roles.tile_axes, self.block, grid, self.body, cfg.num_warps,
+                          cfg.num_stages, self.constexprs, list(cfg.notes))
+
+    def _init_state(self) -> dict[str, TVal]:
+        state: dict[str, TVal] = {}
+        for m in self.loop.members:
+            extra = [a for a in m.axes if a not in self.roles.batch]
+            if not set(self.roles.batch) <= set(m.axes) or not set(extra) <= set(self.roles.tile_axes):
+                raise UnsupportedProgramError("tile lowering", m.name, f"{m.reduce_op} over {self.loop.axis}",
+                                              f"member axes {m.axes} do not fit the tile roles {self.roles}")
+            state[m.name] = self.op("full", tuple(extra), "f32", prefix=f"acc_{m.name}_",
+                                    value=REDUCER_IDENTITY[m.reduce_op])
+        return state
+
+    def _loop_segments(self, r0: TVal) -> list[tuple[TVal, TVal, bool, str]]:
+        """[start, stop) tile ranges of the loop: (start, stop, needs mask arithmetic, comment)."""
+        n = self.size(self.roles.col)
+        bc = TVal("BLOCK_C", (), "i32")
+        r1 = self.bin("add", r0, TVal("BLOCK_R", (), "i32"))
+        r1 = self.bin("sub", r1, self.const(1))
+        zero = self.const(0)
+        any_lo, any_hi, full_lo, full_hi = zero, n, zero, n
+        ctx = _Ctx({}, {}, {}, {}, False)
+        for c in self.masks.constraints:
+            off = self.to(self.emit(c.offset, ctx), "i32")
+            # rows of the tile where a*row is smallest / largest
+            row_min, row_max = (r0, r1) if c.row_coeff >= 0 else (r1, r0)
+
+            def a_times(row: TVal, c=c) -> TVal:
+                return self.bin("mul", row, self.const(c.row_coeff)) if c.row_coeff else zero
+
+            if c.col_coeff > 0:  # col >= -offset - a*row
+                neg_off = self.op("unary", (), "i32", (off,), op="neg")
+                any_lo = self.bin("max", any_lo, self.bin("sub", neg_off, a_times(row_max)))
+                full_lo = self.bin("max", full_lo, self.bin("sub", neg_off, a_times(row_min)))
+            else:  # col <= offset + a*row
+                any_hi = self.bin("min", any_hi, self.bin("add", self.bin("add", off, a_times(row_max)), self.const(1)))
+                full_hi = self.bin("min", full_hi, self.bin("add", self.bin("add", off, a_times(row_min)), self.const(1)))
+        if self.config.splits > 1:
+            pid_s = self.op("program_id", (), "i32", prefix="pid", dim=2)
+            per = self.op("cdiv", (), "i32", (n,), prefix="per", block="SPLITS")
+            chunk = self.bin("mul", self.op("cdiv", (), "i32", (per,), prefix="chunk", block="BLOCK_C"), bc)
+            c_lo = self.bin("mul", pid_s, chunk)
+            c_hi = self.bin("min", self.bin("add", c_lo, chunk), n)
+            any_lo = self.bin("max", any_lo, c_lo)
+            any_hi = self.bin("min", any_hi, c_hi)
+        full_hi = self.bin("min", full_hi, any_hi)
+        start = self.bin("mul", self.bin("floordiv", any_lo, bc), bc)
+        stop = self.bin("max", any_hi, start)
+        stop_aligned = self.bin("mul", self.op("cdiv", (), "i32", (stop,), prefix="nt", block="BLOCK_C"), bc)
+        fs = self.bin("mul", self.op("cdiv", (), "i32", (self.bin("max", full_lo, zero),), prefix="fs", block="BLOCK_C"), bc)
+        fs = self.bin("min", self.bin("max", fs, start), stop_aligned)
+        fe = self.bin("mul", self.bin("floordiv", self.bin("max", full_hi, zero), bc), bc)
+        fe = self.bin("min", self.bin("max", fe, fs), stop_aligned)
+        if not self.masks.masks:
+            self.config.notes.append(f"no mask: tiles [0, {n.name}) visited; only the last partial tile is masked")
+        else:
+            conds = "; ".join(f"{c.row_coeff}*row + {c.col_coeff}*col + offset >= 0" for c in self.masks.constraints)
+            self.config.notes.append(f"affine mask conjuncts {conds or '(none)'}: tiles outside the bounds are skipped, "
+                                     "tiles inside all of them run without mask arithmetic")
+        return [
+            (start, fs, True, "tiles that need masks (before the fully visible range)"),
+            (fs, fe, False, "fully visible tiles: no mask arithmetic"),
+            (fe, stop, True, "tiles that need masks (after the fully visible range)"),
+        ]
+
+    def _emit_loop(self, start: TVal, stop: TVal, masked: bool, state: dict[str, TVal],
+                   valid: dict[str, TVal | None], comment: str) -> None:
+        roles = self.roles
+        body: list[Stmt] = []
+        scope = _Scope(body)
+        self.scopes.append(scope)
+        var = TVal(self.fresh("start_"), (), "i32")
+        self.bindings[roles.col] = self.op("arange", (roles.col,), "i32", (var,), prefix="cols", block="BLOCK_C")
+        inner_valid = dict(valid)
+        replace: dict[Expr, Expr] = {}
+        if masked:
+            inner_valid[roles.col] = self.bin("lt", self.bindings[roles.col], self.size(roles.col))
+        else:
+            inner_valid[roles.col] = None
+            replace = {m.node: m.unmasked() for m in self.masks.masks}
+        ctx = _Ctx({}, {}, inner_valid, replace, True)
+        new_state: dict[str, TVal] = {}
+        for m in self.loop.members:
+            assert isinstance(m.body, Reduce)
+            producers = self.loop.producers.get(m.name, ())
+            if producers:
+                repair = self.loop.repairs[m.name]
+                assert repair is not None
+                # each member's accumulator is a distinct value: name it so CSE cannot merge repairs
+                acc_name = f"__acc__{m.name}"
+                self.member_names.add(acc_name)
+                ctx.values[acc_name] = state[m.name]
+                repair = transform_bottom_up(repair, lambda n, a=acc_name: Load(a, ()) if isinstance(n, Accumulator) else None)
+                ctx.placeholders = {}
+                for p in producers:
+                    ctx.placeholders[Running(p, "old")] = state[p]
+                    ctx.placeholders[Running(p, "new")] = ctx.values[p]
+                acc = self.emit(repair, ctx)
+                ctx.placeholders = {}
+            else:
+                acc = state[m.name]
+            operands = self.contraction(m.body, ctx) if m.reduce_op == "sum" else None
+            if operands is not None:
+                new = self.dot(operands[0], operands[1], roles.col, acc)
+            else:
+                contribution = self.emit(m.body, ctx)
+                new = self.bin(m.reduce_op if m.reduce_op != "sum" else "add", acc, contribution)
+            new = self.to(new, "f32")
+            new_state[m.name] = new
+            if m.reduce_op in ("max", "min"):
+                ident = self.const(REDUCER_IDENTITY[m.reduce_op])
+                is_ident = self.bin("eq", new, ident)
+                ctx.values[m.name] = self.op("where", new.axes, "f32", (is_ident, self._zero("f32"), new), prefix="safe")
+            else:
+                ctx.values[m.name] = new
+        for m in self.loop.members:
+            body.append(Assign(state[m.name], new_state[m.name]))
+        self.scopes.pop()
+        del self.bindings[roles.col]
+        self.body.append(Loop(var, start, stop, "BLOCK_C", body, comment))
+
+    def _emit_outputs(self, state: dict[str, TVal], valid: dict[str, TVal | None]) -> None:
+        scope = _Scope(self.body)
+        self.scopes.append(scope)
+        ctx = _Ctx(dict(state), {}, valid, {}, False)
+        if self.config.partial_outputs:
+            for m in self.loop.members:
+                self._store(f"part_{m.name}", m.axes, state[m.name], valid, scratch=True)
+        else:
+            for out in self.program.outputs:
+                stage = self.program.stage(out.stage)
+                if self.roles.col in stage.axes:
+                    raise UnsupportedProgramError(
+                        "tile lowering", stage.name, "output",
+                        f"output indexed by the loop axis {self.roles.col!r} needs a second pass (not supported yet)")
+                if stage.name in self.member_names:
+                    value = state[stage.name]
+                else:
+                    value = self.emit(stage.body, ctx)
+                self._store(f"out_{stage.name}", stage.axes, value, valid)
+        self.scopes.pop()
+
+    def _store(self, buffer: str, axes: tuple[str, ...], value: TVal, valid: dict[str, TVal | None],
+               scratch: bool = False) -> None:
+        index: list[Expr] = [Index(a) for a in axes]
+        if scratch:
+            self.bindings.setdefault("__split__", self.op("program_id", (), "i32", scope=self.scopes[0], prefix="pid", dim=2))
+            index.insert(0, Index("__split__"))
+        scalar, tile, mask_axes = self.address(buffer, tuple(index))
+        ctx = _Ctx({}, {}, valid, {}, False)
+        base = self.emit(scalar, ctx) if scalar is not None else self.const(0)
+        offset = self.emit(tile, ctx) if tile is not None else self.const(0)
+        mask: TVal | None = None
+        for axis in self._canon(mask_axes):
+            v = valid.get(axis)
+            if v is not None:
+                mask = v if mask is None else self.bin("and", mask, v)
+        kind = "scratch" if scratch else "output"
+        self.kernel_arg(f"{buffer}_ptr", "pointer", f"{kind}:{buffer}", "ptr")
+        axes_all = self._canon(set(value.axes) | set(offset.axes))
+        if offset.axes != axes_all:
+            offset = self.bin("add", offset, self.op("full", axes_all, "i32", prefix="z", value=0))
+        if value.axes != axes_all:
+            value = self.bin("add", value, self.op("full", axes_all, "f32", prefix="z", value=0.0))
+        self.scopes[-1].stmts.append(Store(buffer, base, offset, value, mask))
+
+
+def lower(program: Program, config: LoweringConfig, name: str = "fused_kernel") -> TileKernel:
+    """Lower a fused program (one FusedLoop + output stages) to a tile kernel."""
+    return KernelBuilder(program, config, name).build()
+
+
+def _unused(*_: object) -> None:
+    return None
+
+
+__all__ = ["AxisRoles", "LoweringConfig", "assign_roles", "fused_loop_of", "lower", "math", "Stage"]
