@@ -638,27 +638,48 @@ class KernelBuilder:
             for m in self.loop.members:
                 self._store(f"part_{m.name}", m.axes, state[m.name], valid, scratch=True)
         else:
+            second_pass = []
             for out in self.program.outputs:
                 stage = self.program.stage(out.stage)
                 if self.roles.col in stage.axes:
-                    raise UnsupportedProgramError(
-                        "tile lowering", stage.name, "output",
-                        f"output indexed by the loop axis {self.roles.col!r} needs a second pass (not supported yet)")
-                if stage.name in self.member_names:
-                    value = state[stage.name]
-                else:
-                    value = self.emit(stage.body, ctx)
+                    second_pass.append(stage)
+                    continue
+                value = state[stage.name] if stage.name in self.member_names else self.emit(stage.body, ctx)
                 self._store(f"out_{stage.name}", stage.axes, value, valid)
+            if second_pass:
+                self._emit_second_pass(second_pass, state, valid)
         self.scopes.pop()
 
+    def _emit_second_pass(self, stages: list[Stage], state: dict[str, TVal], valid: dict[str, TVal | None]) -> None:
+        """Outputs indexed by the loop axis (e.g. softmax probabilities): one more pass over it,
+        reading the final values of the reductions."""
+        roles = self.roles
+        body: list[Stmt] = []
+        self.scopes.append(_Scope(body))
+        var = TVal(self.fresh("start_"), (), "i32")
+        self.bindings[roles.col] = self.op("arange", (roles.col,), "i32", (var,), prefix="cols", block="BLOCK_C")
+        inner_valid = dict(valid)
+        inner_valid[roles.col] = self.bin("lt", self.bindings[roles.col], self.size(roles.col))
+        ctx = _Ctx(dict(state), {}, inner_valid, {}, True)
+        for stage in stages:
+            self._store(f"out_{stage.name}", stage.axes, self.emit(stage.body, ctx), inner_valid, variant=True)
+        self.scopes.pop()
+        del self.bindings[roles.col]
+        start = self.const(0)
+        stop = self.size(roles.col)
+        if self.config.splits > 1:
+            raise UnsupportedProgramError("tile lowering", stages[0].name, "output",
+                                          "outputs indexed by the loop axis are not supported with split-K")
+        self.body.append(Loop(var, start, stop, "BLOCK_C", body, "second pass: outputs indexed by the loop axis"))
+
     def _store(self, buffer: str, axes: tuple[str, ...], value: TVal, valid: dict[str, TVal | None],
-               scratch: bool = False) -> None:
+               scratch: bool = False, variant: bool = False) -> None:
         index: list[Expr] = [Index(a) for a in axes]
         if scratch:
             self.bindings.setdefault("__split__", self.op("program_id", (), "i32", scope=self.scopes[0], prefix="pid", dim=2))
             index.insert(0, Index("__split__"))
         scalar, tile, mask_axes = self.address(buffer, tuple(index))
-        ctx = _Ctx({}, {}, valid, {}, False)
+        ctx = _Ctx({}, {}, valid, {}, variant)
         base = self.emit(scalar, ctx) if scalar is not None else self.const(0)
         offset = self.emit(tile, ctx) if tile is not None else self.const(0)
         mask: TVal | None = None
