@@ -20,7 +20,7 @@ from typing import Any
 import sympy as sp
 
 from neptune_fusion.ir.expr import (
-    Accumulator, Binary, Cast, Const, Expr, Load, Running, Unary, Where, loads_of,
+    Accumulator, Binary, Cast, Const, Expr, Load, Running, Unary, Where, loads_of, walk,
 )
 
 
@@ -69,7 +69,7 @@ def to_sympy(expr: Expr, running: set[str], table: SymbolTable | None = None) ->
             return sp.Symbol("t", real=True)
         if isinstance(node, Running):
             return table.old(node.stage) if node.which == "old" else table.new(node.stage)
-        if not (loads_of(node) & running):
+        if not (loads_of(node) & running) and not any(isinstance(n, (Accumulator, Running)) for n in walk(node)):
             if isinstance(node, Const) and not isinstance(node.value, bool):
                 return sp.nsimplify(node.value) if isinstance(node.value, int) else sp.Float(node.value)
             return table.constant(node)

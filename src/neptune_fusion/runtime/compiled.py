@@ -143,6 +143,7 @@ class Compiled:
         self.allow_fallback = allow_fallback
         self._cache: dict[tuple[Any, ...], Executable] = {}
         self._scratch: dict[tuple[Any, ...], dict[str, torch.Tensor]] = {}
+        self._launchers: dict[tuple[Any, ...], Callable[[list[Any]], Any]] = {}
         self.fallback_reason: str | None = None
 
     # --- compile ------------------------------------------------------------------
@@ -192,45 +193,98 @@ class Compiled:
 
     # --- run ----------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        named = dict(self.program_def.bind(*args, **kwargs))
+        named = self.program_def.bind(*args, **kwargs)
+        key = tuple(_arg_key(v) for _, v in named)
+        run = self._launchers.get(key)
+        if run is None:
+            run = self._prepare(dict(named))
+            self._launchers[key] = run
+        return run([v for _, v in named])
+
+    def _prepare(self, named: dict[str, Any]) -> Callable[[list[Any]], Any]:
+        """Trace, check, compile, and build the launcher for arguments like `named`."""
         program = self.program_def.trace(**named)
+        order = list(named)
         try:
             exe = self.executable_for(program, named)
         except FusionError as exc:
             if not self.allow_fallback:
                 raise
-            if self.fallback_reason is None:
-                warnings.warn(f"neptune_fusion: running {program.name!r} unfused: {exc}", stacklevel=2)
+            warnings.warn(f"neptune_fusion: running {program.name!r} unfused: {exc}", stacklevel=3)
             self.fallback_reason = str(exc)
             dtype = next(named[b.name].dtype for b in program.inputs if named[b.name].is_floating_point())
-            return run_reference(program, named, out_dtype=dtype)
-        return self.launch(exe, program, named)
+            return lambda values: run_reference(program, dict(zip(order, values)), out_dtype=dtype)
+        return self._launcher(exe, program, named, order)
 
     def launch(self, exe: Executable, program: Program, named: dict[str, Any]) -> Any:
-        sizes = axis_extents(program, named)
-        device = named[program.inputs[0].name].device
-        out_dtype = next(named[b.name].dtype for b in program.inputs if named[b.name].is_floating_point())
-        buffers: dict[str, torch.Tensor] = {b.name: named[b.name] for b in program.inputs}
-        outputs: dict[str, torch.Tensor] = {}
+        """Run compiled kernels on `named` arguments (no caching of the launcher)."""
+        order = list(named)
+        return self._launcher(exe, program, named, order)([named[n] for n in order])
+
+    def _launcher(self, exe: Executable, program: Program, example: dict[str, Any],
+                  order: list[str]) -> Callable[[list[Any]], Any]:
+        sizes = axis_extents(program, example)
+        device = example[program.inputs[0].name].device
+        out_dtype = next(example[b.name].dtype for b in program.inputs if example[b.name].is_floating_point())
         fused = exe.main.program
-        for spec in fused.outputs:
-            stage = fused.stage(spec.stage)
-            outputs[spec.stage] = torch.empty([sizes[a] for a in stage.axes], dtype=out_dtype, device=device)
+        out_shapes = {spec.stage: [sizes[a] for a in fused.stage(spec.stage).axes] for spec in fused.outputs}
+        views = [(spec.stage, [sizes[d] if d else 1 for d in spec.dims]) for spec in program.outputs]
+        scratch: dict[str, torch.Tensor] = {}
         if exe.combine is not None:
             loop = next(n for n in fused.stages if isinstance(n, FusedLoop))
             scratch = self._scratch_for(loop, sizes, exe.plan.splits, device)
-            buffers.update(scratch)
-            self._run(exe.main, buffers, {}, sizes, named)
-            csizes = dict(sizes)
-            csizes[SPLIT_AXIS] = exe.plan.splits
-            self._run(exe.combine, buffers, outputs, csizes, named)
-        else:
-            self._run(exe.main, buffers, outputs, sizes, named)
-        results = []
-        for spec in program.outputs:
-            value = outputs[spec.stage]
-            results.append(value.reshape([sizes[d] if d else 1 for d in spec.dims]))
-        return results[0] if len(results) == 1 else tuple(results)
+        position = {name: i for i, name in enumerate(order)}
+        csizes = dict(sizes)
+        csizes[SPLIT_AXIS] = exe.plan.splits
+        kernels = [(exe.main, sizes, exe.combine is None)]
+        if exe.combine is not None:
+            kernels.append((exe.combine, csizes, True))
+        plans = [self._arg_plan(k, s, position, scratch, example, out_shapes, writes_outputs)
+                 for k, s, writes_outputs in kernels]
+
+        def run(values: list[Any]) -> Any:
+            outputs = {name: torch.empty(shape, dtype=out_dtype, device=device) for name, shape in out_shapes.items()}
+            for fn, grid, getters, constexprs, warps, stages in plans:
+                call_args = [g(values, outputs) for g in getters]
+                fn[grid](*call_args, **constexprs, num_warps=warps, num_stages=stages)
+            results = [outputs[name].view(shape) for name, shape in views]
+            return results[0] if len(results) == 1 else tuple(results)
+
+        return run
+
+    def _arg_plan(self, launch: KernelLaunch, sizes: dict[str, int], position: dict[str, int],
+                  scratch: dict[str, torch.Tensor], example: dict[str, Any], out_shapes: dict[str, list[int]],
+                  writes_outputs: bool) -> tuple[Any, ...]:
+        """How to build each kernel argument from the call's values (resolved once per shape)."""
+        tile = launch.tile
+        getters: list[Callable[[list[Any], dict[str, torch.Tensor]], Any]] = []
+        for arg in tile.args:
+            kind, _, rest = arg.source.partition(":")
+            if kind in ("input", "param") and rest in position:
+                getters.append(lambda v, o, i=position[rest]: v[i])
+            elif kind in ("input", "scratch") and rest in scratch:
+                getters.append(lambda v, o, t=scratch[rest]: t)
+            elif kind == "output":
+                getters.append(lambda v, o, n=rest[len("out_"):]: o[n])
+            elif kind == "size":
+                getters.append(lambda v, o, s=sizes[rest]: s)
+            elif kind == "stride":
+                buf, _, dim = rest.rpartition(":")
+                if buf in position:
+                    stride = example[buf].stride(int(dim))
+                elif buf in scratch:
+                    stride = scratch[buf].stride(int(dim))
+                else:
+                    shape = out_shapes[buf[len("out_"):]]
+                    stride = math.prod(shape[int(dim) + 1:])
+                getters.append(lambda v, o, s=stride: s)
+            else:
+                raise ValueError(f"unknown kernel argument source {arg.source!r}")
+        env: dict[str, Any] = {f"size_{a}": s for a, s in sizes.items()}
+        env.update(tile.constexprs)
+        env["cdiv"] = lambda a, b: -(-a // b)
+        grid = tuple(int(eval(g, {"__builtins__": {}}, env)) for g in tile.grid)  # noqa: S307 - our own expressions
+        return launch.fn, grid, getters, dict(tile.constexprs), tile.num_warps, tile.num_stages
 
     def _scratch_for(self, loop: FusedLoop, sizes: dict[str, int], splits: int,
                      device: torch.device) -> dict[str, torch.Tensor]:
@@ -243,32 +297,12 @@ class Compiled:
             }
         return self._scratch[key]
 
-    def _run(self, launch: KernelLaunch, buffers: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor],
-             sizes: dict[str, int], named: dict[str, Any]) -> None:
-        tile = launch.tile
-        tensors = dict(buffers)
-        tensors.update({f"out_{k}": v for k, v in outputs.items()})
-        call_args: list[Any] = []
-        for arg in tile.args:
-            kind, _, rest = arg.source.partition(":")
-            if kind == "input":
-                call_args.append(tensors[rest])
-            elif kind in ("output", "scratch"):
-                call_args.append(tensors[rest] if rest in tensors else tensors[f"out_{rest}"])
-            elif kind == "size":
-                call_args.append(sizes[rest])
-            elif kind == "stride":
-                buf, _, dim = rest.rpartition(":")
-                call_args.append(tensors[buf].stride(int(dim)))
-            elif kind == "param":
-                call_args.append(named[rest])
-            else:
-                raise ValueError(f"unknown kernel argument source {arg.source!r}")
-        env: dict[str, Any] = {f"size_{a}": s for a, s in sizes.items()}
-        env.update(tile.constexprs)
-        env["cdiv"] = lambda a, b: -(-a // b)
-        grid = tuple(int(eval(g, {"__builtins__": {}}, env)) for g in tile.grid)  # noqa: S307 - our own expressions
-        launch.fn[grid](*call_args, **tile.constexprs, num_warps=tile.num_warps, num_stages=tile.num_stages)
+
+def _arg_key(value: Any) -> Any:
+    """What about an argument selects a compiled launcher: shape, dtype, device and strides of tensors."""
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), value.dtype, value.device, value.stride())
+    return type(value)
 
 
 def compile(program: ProgramDef | Callable[..., Any], schedule: Schedule | None = None,  # noqa: A001

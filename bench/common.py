@@ -1,0 +1,58 @@
+"""Shared helpers of the GPU benchmarks: timing, environment record, result files.
+
+Run on the GPU machine only. Every benchmark checks correctness against an fp32
+reference on random inputs in the same run, and times with triton.testing.do_bench
+(median, after warm-up).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import triton
+
+
+def environment() -> dict[str, Any]:
+    props = torch.cuda.get_device_properties(0)
+    return {
+        "gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+        "triton": triton.__version__, "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def bench(fn: Callable[[], Any], warmup: int = 25, rep: int = 100) -> float:
+    """Median time in microseconds."""
+    ms = triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+    return ms * 1000.0
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    if torch.isnan(out).any():
+        return float("nan")
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def try_time(fn: Callable[[], Any], **kw: Any) -> float | None:
+    try:
+        fn()
+        torch.cuda.synchronize()
+        return bench(fn, **kw)
+    except Exception as exc:  # noqa: BLE001 - a baseline that cannot run is recorded as missing
+        print(f"    (baseline failed: {type(exc).__name__}: {str(exc)[:120]})")
+        return None
+
+
+def write_results(name: str, payload: dict[str, Any]) -> Path:
+    out_dir = Path(os.environ.get("OUT", "bench/results"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2))
+    return path
