@@ -8,11 +8,21 @@ import pytest
 import sympy as sp
 import torch
 
-from neptune_fusion.algebra import symbolic as S
+from neptune_fusion.algebra import symbolic as S  # noqa: N812
 from neptune_fusion.algebra.repair import contribution_vanishes, derive_repair
 from neptune_fusion.ir.errors import FusionError
 from neptune_fusion.ir.expr import (
-    Accumulator, Binary, Const, Expr, Index, Load, Param, Running, Unary, Where, simplify,
+    Accumulator,
+    Binary,
+    Const,
+    Expr,
+    Index,
+    Load,
+    Param,
+    Running,
+    Unary,
+    Where,
+    simplify,
 )
 from neptune_fusion.ir.printer import format_expr
 

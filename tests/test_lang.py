@@ -29,7 +29,7 @@ def check(fn: nf.ProgramDef, args: dict, expected, atol: float = 1e-5, rtol: flo
     ref_t = via_reference if isinstance(via_reference, tuple) else (via_reference,)
     call_t = via_call if isinstance(via_call, tuple) else (via_call,)
     assert len(ref_t) == len(expected_t) == len(call_t)
-    for r, c, e in zip(ref_t, call_t, expected_t):
+    for r, c, e in zip(ref_t, call_t, expected_t, strict=True):
         assert r.shape == e.shape, (r.shape, e.shape)
         torch.testing.assert_close(r, e.to(r.dtype), atol=atol, rtol=rtol, equal_nan=True)
         torch.testing.assert_close(c, r, atol=0, rtol=0, equal_nan=True)
@@ -169,7 +169,7 @@ def test_softcap_attention(attn_inputs):
     check(softcap_attention, dict(q=q, k=k, v=v, scale=scale), expected, atol=1e-5, rtol=1e-4)
 
 
-def test_matmul_with_mT_and_matmul_operator(attn_inputs):
+def test_matmul_with_mt_and_matmul_operator(attn_inputs):
     q, k, v = attn_inputs(2, 2, 3, 5, 4)
     expected = F.scaled_dot_product_attention(q, k, v, scale=0.25)
     check(matmul_attention, dict(q=q, k=k, v=v, scale=0.25), expected)
@@ -482,6 +482,21 @@ def test_unsupported_indexing_raises_type_error(randn, key):
 
     with pytest.raises(TypeError, match="indexing only with"):
         f.trace(randn(3, 4))
+
+
+def test_too_many_indices(randn):
+    @nf.program
+    def f(x):
+        return x[:, :, :]
+
+    @nf.program
+    def g(x):
+        return x[..., :, ...]
+
+    with pytest.raises(IndexError, match="too many indices"):
+        f.trace(randn(3, 4))
+    with pytest.raises(IndexError, match="single ellipsis"):
+        g.trace(randn(3, 4))
 
 
 def test_supported_indexing(randn):

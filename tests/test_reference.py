@@ -10,7 +10,17 @@ import torch
 
 import neptune_fusion as nf
 from neptune_fusion.ir.expr import (
-    Accumulator, Binary, Cast, Const, Index, Load, Param, Reduce, Running, Unary, Where,
+    Accumulator,
+    Binary,
+    Cast,
+    Const,
+    Index,
+    Load,
+    Param,
+    Reduce,
+    Running,
+    Unary,
+    Where,
 )
 from neptune_fusion.ir.printer import format_program
 from neptune_fusion.ir.program import FusedLoop, InputBuffer, OutputSpec, Program, Stage

@@ -12,8 +12,28 @@ Example:
 
 from neptune_fusion.ir.errors import FusionError, UnsupportedProgramError
 from neptune_fusion.lang.ops import (
-    abs_, cast, cos, einsum, exp, exp2, index, inf, log, log2, matmul, max, maximum, min,
-    minimum, rsqrt, sigmoid, sin, sqrt, sum, tanh, where,
+    abs_,
+    cast,
+    cos,
+    einsum,
+    exp,
+    exp2,
+    index,
+    inf,
+    log,
+    log2,
+    matmul,
+    max,
+    maximum,
+    min,
+    minimum,
+    rsqrt,
+    sigmoid,
+    sin,
+    sqrt,
+    sum,
+    tanh,
+    where,
 )
 from neptune_fusion.lang.trace import ProgramDef, program
 from neptune_fusion.runtime.compiled import Compiled, compile

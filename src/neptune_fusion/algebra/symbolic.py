@@ -20,7 +20,17 @@ from typing import Any
 import sympy as sp
 
 from neptune_fusion.ir.expr import (
-    Accumulator, Binary, Cast, Const, Expr, Load, Running, Unary, Where, loads_of, walk,
+    Accumulator,
+    Binary,
+    Cast,
+    Const,
+    Expr,
+    Load,
+    Running,
+    Unary,
+    Where,
+    loads_of,
+    walk,
 )
 
 

@@ -17,7 +17,17 @@ from dataclasses import dataclass
 
 from neptune_fusion.algebra.repair import contribution_vanishes
 from neptune_fusion.ir.expr import (
-    REDUCER_IDENTITY, Binary, Const, Expr, Index, Reduce, Unary, Where, free_axes, loads_of, walk,
+    REDUCER_IDENTITY,
+    Binary,
+    Const,
+    Expr,
+    Index,
+    Reduce,
+    Unary,
+    Where,
+    free_axes,
+    loads_of,
+    walk,
 )
 from neptune_fusion.ir.program import FusedLoop
 

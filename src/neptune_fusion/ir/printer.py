@@ -11,7 +11,18 @@ from __future__ import annotations
 import math
 
 from neptune_fusion.ir.expr import (
-    Accumulator, Binary, Cast, Const, Expr, Index, Load, Param, Reduce, Running, Unary, Where,
+    Accumulator,
+    Binary,
+    Cast,
+    Const,
+    Expr,
+    Index,
+    Load,
+    Param,
+    Reduce,
+    Running,
+    Unary,
+    Where,
 )
 from neptune_fusion.ir.program import FusedLoop, Program, Stage
 

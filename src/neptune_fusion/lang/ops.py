@@ -11,7 +11,17 @@ Example:
 from __future__ import annotations
 
 from neptune_fusion.lang.tensor import (
-    SymTensor, TensorLike, binary, cast, einsum, index, inf, matmul, reduce, unary, where,
+    SymTensor,
+    TensorLike,
+    binary,
+    cast,
+    einsum,
+    index,
+    inf,
+    matmul,
+    reduce,
+    unary,
+    where,
 )
 
 __all__ = [

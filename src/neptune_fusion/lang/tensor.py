@@ -21,7 +21,16 @@ from dataclasses import dataclass
 from typing import Sequence, Union
 
 from neptune_fusion.ir.expr import (
-    Binary, Cast, Const, Expr, Index, Load, Reduce, Unary, Where, as_expr,
+    Binary,
+    Cast,
+    Const,
+    Expr,
+    Index,
+    Load,
+    Reduce,
+    Unary,
+    Where,
+    as_expr,
 )
 
 
@@ -197,6 +206,11 @@ class SymTensor:
         dims: list[Dim | None] = []
         source = list(self.dims)
         expr = self.expr
+        consumed = sum(1 for k in keys if k is not None and k is not Ellipsis)
+        if consumed > len(source):
+            raise IndexError(f"too many indices for a symbolic tensor of rank {self.ndim} (got {key!r})")
+        if sum(1 for k in keys if k is Ellipsis) > 1:
+            raise IndexError(f"an index can only have a single ellipsis (got {key!r})")
         for k in keys:
             if k is None:
                 dims.append(None)
@@ -377,13 +391,13 @@ def einsum(spec: str, *operands: SymTensor) -> SymTensor:
     tracer = _tracer_of(*operands)
     letters: dict[str, Dim] = {}
     materialized: list[tuple[str, SymTensor]] = []
-    for term, op in zip(terms, operands):
+    for term, op in zip(terms, operands, strict=True):
         op = lift(op, tracer)
         if len(term) != op.ndim:
             raise ValueError(f"einsum {spec!r}: operand {term!r} has rank {op.ndim}")
         op = tracer.materialize(op)  # type: ignore[attr-defined]
         materialized.append((term, op))
-        for letter, dim in zip(term, op.dims):
+        for letter, dim in zip(term, op.dims, strict=True):
             if dim is None:
                 continue
             if letter in letters:
@@ -402,7 +416,7 @@ def einsum(spec: str, *operands: SymTensor) -> SymTensor:
     exprs: list[Expr] = []
     for term, op in materialized:
         mapping: dict[str, Expr] = {}
-        for letter, dim in zip(term, op.dims):
+        for letter, dim in zip(term, op.dims, strict=True):
             if dim is not None and dim.find() is not letters[letter].find():
                 mapping[dim.var] = Const(0)
         expr = op.expr

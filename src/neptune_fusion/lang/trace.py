@@ -17,7 +17,13 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from neptune_fusion.ir.expr import (
-    Expr, Index, Load, Param, Reduce, rebuild, transform_bottom_up,
+    Expr,
+    Index,
+    Load,
+    Param,
+    Reduce,
+    rebuild,
+    transform_bottom_up,
 )
 from neptune_fusion.ir.program import InputBuffer, OutputSpec, Program, Stage
 from neptune_fusion.lang.tensor import Dim, SymTensor, _load, dtype_name

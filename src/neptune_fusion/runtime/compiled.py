@@ -159,8 +159,10 @@ class Compiled:
         dtypes = {b.name: dtype_name(args[b.name].dtype) for b in program.inputs}
         main_dtype = next(dtypes[b.name] for b in program.inputs if args[b.name].is_floating_point())
         batch = math.prod(sizes[a] for a in roles.batch)
+        second_pass = any(roles.col in fused.stage(o.stage).axes for o in fused.outputs)
         plan = choose(self.schedule, rows=sizes[roles.row], cols=sizes[roles.col], batch=batch,
-                      full_sizes=full_sizes, dtype=main_dtype, num_sms=_num_sms(device), interpreter=interpreter)
+                      full_sizes=full_sizes, dtype=main_dtype, num_sms=_num_sms(device), interpreter=interpreter,
+                      can_split=not second_pass)
         key = (program.fingerprint(), tuple(sorted(dtypes.items())), tuple(sorted(full_sizes.items())), plan,
                interpreter, str(device))
         if key in self._cache:
@@ -265,7 +267,8 @@ class Compiled:
             elif kind in ("input", "scratch") and rest in scratch:
                 getters.append(lambda v, o, t=scratch[rest]: t)
             elif kind == "output":
-                getters.append(lambda v, o, n=rest[len("out_"):]: o[n])
+                stage_name = rest.removeprefix("out_")
+                getters.append(lambda v, o, n=stage_name: o[n])
             elif kind == "size":
                 getters.append(lambda v, o, s=sizes[rest]: s)
             elif kind == "stride":

@@ -24,8 +24,19 @@ from typing import Any, Mapping
 import torch
 
 from neptune_fusion.ir.expr import (
-    REDUCER_IDENTITY, Accumulator, Binary, Cast, Const, Expr, Index, Load, Param, Reduce,
-    Running, Unary, Where,
+    REDUCER_IDENTITY,
+    Accumulator,
+    Binary,
+    Cast,
+    Const,
+    Expr,
+    Index,
+    Load,
+    Param,
+    Reduce,
+    Running,
+    Unary,
+    Where,
 )
 from neptune_fusion.ir.program import FusedLoop, Program, Stage
 

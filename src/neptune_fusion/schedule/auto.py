@@ -35,8 +35,12 @@ def _pow2_at_least(n: int, lo: int = 16) -> int:
 
 
 def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: dict[str, int], dtype: str,
-           num_sms: int, interpreter: bool) -> Plan:
-    """Resolve `schedule` for these sizes (rows: tiled axis, cols: reduced axis, batch: programs per row tile)."""
+           num_sms: int, interpreter: bool, can_split: bool = True) -> Plan:
+    """Resolve `schedule` for these sizes (rows: tiled axis, cols: reduced axis, batch: programs per row tile).
+
+    `can_split` is False when an output is indexed by the reduced axis (softmax), which needs
+    the final reductions in a second pass over it, so split-K does not apply.
+    """
     head = max(full_sizes.values(), default=64)
     if interpreter:
         block_row = min(32, _pow2_at_least(rows))
@@ -51,8 +55,11 @@ def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: 
         stages = 3 if head <= 128 else 2
     splits = 1
     if isinstance(schedule, SplitK):
+        if not can_split:
+            raise ValueError("split_k cannot be used when an output is indexed by the reduced axis "
+                             "(it needs the final reductions in a second pass); use flash()")
         splits = schedule.splits or 0
-    elif isinstance(schedule, Auto):
+    elif isinstance(schedule, Auto) and can_split:
         programs = math.ceil(rows / block_row) * batch
         splits = 0 if programs < num_sms and cols >= 4 * block_col else 1
     if splits == 0:  # pick: enough programs to fill the device twice, chunks of at least 4 tiles

@@ -12,7 +12,7 @@ from neptune_fusion.analysis.chains import chain_axis
 from neptune_fusion.ir.errors import FusionError
 from neptune_fusion.ir.expr import Accumulator, Expr, Index, Load, Reduce, Running, transform_bottom_up
 from neptune_fusion.ir.program import FusedLoop, InputBuffer, OutputSpec, Program, Stage
-from neptune_fusion.transform.inline import inline_elementwise, inline_along, inline_stages
+from neptune_fusion.transform.inline import inline_along, inline_elementwise, inline_stages
 from neptune_fusion.transform.normalize import hoist_invariant_factors
 from neptune_fusion.transform.rolling import rolling_update
 from neptune_fusion.transform.split_k import split_k_update

@@ -21,8 +21,24 @@ from dataclasses import dataclass, field
 from neptune_fusion.analysis.masks import MaskInfo, analyze_masks
 from neptune_fusion.ir.errors import UnsupportedProgramError
 from neptune_fusion.ir.expr import (
-    REDUCER_IDENTITY, Accumulator, Binary, Cast, Const, Expr, Index, Load, Param, Reduce, Running,
-    Unary, Where, free_axes, loads_of, substitute_index, transform_bottom_up, walk,
+    REDUCER_IDENTITY,
+    Accumulator,
+    Binary,
+    Cast,
+    Const,
+    Expr,
+    Index,
+    Load,
+    Param,
+    Reduce,
+    Running,
+    Unary,
+    Where,
+    free_axes,
+    loads_of,
+    substitute_index,
+    transform_bottom_up,
+    walk,
 )
 from neptune_fusion.ir.program import FusedLoop, Program, Stage
 from neptune_fusion.tile.ir import Assign, KernelArg, Loop, Op, Stmt, Store, TileKernel, TVal
