@@ -43,17 +43,29 @@ class Constraint:
 
 @dataclass(frozen=True)
 class MaskedWhere:
-    """One mask: the where-node, its affine conjuncts and what is left (None: fully affine)."""
+    """One mask: `where(cond, visible, masked)`; cond = common AND (OR of union boxes) AND residual.
+
+    `constraints` are the affine conjuncts common to the whole region, `union` the boxes of an
+    affine disjunction (prefix-LM: `kv < P | kv <= q`), `residual` what is not affine (None: nothing).
+    """
 
     node: Where
+    visible: Expr
     constraints: tuple[Constraint, ...]
+    union: tuple[tuple[Constraint, ...], ...]
     residual: Expr | None
 
     def unmasked(self) -> Expr:
-        """What the where-node becomes in a tile where all affine conjuncts hold."""
+        """What the where-node becomes in a tile where the affine part of cond holds everywhere."""
         if self.residual is None:
-            return self.node.a
-        return Where(self.residual, self.node.a, self.node.b)
+            return self.visible
+        return Where(self.residual, self.visible, self.node.b if self.visible is self.node.a else self.node.a)
+
+    def boxes(self) -> list[tuple[Constraint, ...]]:
+        """The visible region as a union of boxes, each a conjunction of affine constraints."""
+        if not self.union:
+            return [self.constraints]
+        return [self.constraints + box for box in self.union]
 
 
 @dataclass(frozen=True)
@@ -63,6 +75,18 @@ class MaskInfo:
     @property
     def constraints(self) -> tuple[Constraint, ...]:
         return tuple(c for m in self.masks for c in m.constraints)
+
+    def boxes(self) -> list[tuple[Constraint, ...]]:
+        """Visible region of all masks together (their intersection), as a union of boxes."""
+        out: list[tuple[Constraint, ...]] = [()]
+        for m in self.masks:
+            out = [a + b for a in out for b in m.boxes()]
+        return out
+
+    @property
+    def residual(self) -> bool:
+        """True when some part of a mask is not affine (needs a run-time block map to skip tiles)."""
+        return any(m.residual is not None for m in self.masks)
 
 
 def _affine(expr: Expr, row: str, col: str) -> tuple[int, int, Expr] | None:
@@ -112,6 +136,31 @@ def _conjuncts(cond: Expr) -> list[Expr]:
     return [cond]
 
 
+def _disjuncts(cond: Expr) -> list[Expr]:
+    if isinstance(cond, Binary) and cond.op == "or":
+        return _disjuncts(cond.a) + _disjuncts(cond.b)
+    return [cond]
+
+
+_NEGATED = {"lt": "ge", "ge": "lt", "le": "gt", "gt": "le", "eq": "ne", "ne": "eq"}
+
+
+def _push_not(cond: Expr) -> Expr:
+    """~(a < b) -> a >= b, ~(x & y) -> ~x | ~y, ... so masks written with ~ stay affine."""
+    if isinstance(cond, Unary) and cond.op == "not":
+        x = cond.x
+        if isinstance(x, Binary) and x.op in _NEGATED:
+            return Binary(_NEGATED[x.op], x.a, x.b)
+        if isinstance(x, Binary) and x.op in ("and", "or"):
+            other = "or" if x.op == "and" else "and"
+            return Binary(other, _push_not(Unary("not", x.a)), _push_not(Unary("not", x.b)))
+        if isinstance(x, Unary) and x.op == "not":
+            return _push_not(x.x)
+    if isinstance(cond, Binary) and cond.op in ("and", "or"):
+        return Binary(cond.op, _push_not(cond.a), _push_not(cond.b))
+    return cond
+
+
 def _constraints_of(cmp: Expr, row: str, col: str, int_params: set[str]) -> list[Constraint] | None:
     if not (isinstance(cmp, Binary) and cmp.op in ("ge", "gt", "le", "lt", "eq")):
         return None
@@ -143,8 +192,8 @@ def analyze_masks(loop: FusedLoop, row: str, int_params: set[str] | None = None)
     candidates: list[Where] = []
     for _, g in bodies:
         for node in walk(g):
-            if (isinstance(node, Where) and isinstance(node.b, Const) and isinstance(node.b.value, float)
-                    and col in free_axes(node.cond) and node not in candidates):
+            if (isinstance(node, Where) and col in free_axes(node.cond) and node not in candidates
+                    and any(isinstance(x, Const) and isinstance(x.value, float) for x in (node.a, node.b))):
                 candidates.append(node)
     masks: list[MaskedWhere] = []
     for w in candidates:
@@ -154,21 +203,49 @@ def analyze_masks(loop: FusedLoop, row: str, int_params: set[str] | None = None)
                 ok = False
                 break
             producers = loop.producers.get(m.name, ())
-            if not contribution_vanishes(g, w, float(w.b.value), REDUCER_IDENTITY[m.body.op], producers):  # type: ignore[attr-defined]
+            masked_value = w.b if isinstance(w.b, Const) else w.a
+            if not contribution_vanishes(g, w, float(masked_value.value), REDUCER_IDENTITY[m.body.op], producers):  # type: ignore[attr-defined]
                 ok = False
                 break
         if not ok:
             continue
+        if isinstance(w.b, Const) and isinstance(w.b.value, float):
+            cond, visible = w.cond, w.a
+        else:
+            cond, visible = Unary("not", w.cond), w.b
+        cond = _push_not(cond)
         constraints: list[Constraint] = []
+        union: tuple[tuple[Constraint, ...], ...] = ()
         residual: list[Expr] = []
-        for conj in _conjuncts(w.cond):
+        for conj in _conjuncts(cond):
             cs = _constraints_of(conj, row, col, int_params)
-            if cs is None:
-                residual.append(conj)
-            else:
+            if cs is not None:
                 constraints.extend(cs)
+                continue
+            boxes = _union_of(conj, row, col, int_params)
+            if boxes is not None and not union:
+                union = boxes
+            else:
+                residual.append(conj)
         rest: Expr | None = None
         for r in residual:
             rest = r if rest is None else Binary("and", rest, r)
-        masks.append(MaskedWhere(w, tuple(constraints), rest))
+        masks.append(MaskedWhere(w, visible, tuple(constraints), union, rest))
     return MaskInfo(tuple(masks))
+
+
+def _union_of(cond: Expr, row: str, col: str, int_params: set[str]) -> tuple[tuple[Constraint, ...], ...] | None:
+    """An OR of conjunctions of affine constraints, as boxes; None if any part is not affine."""
+    parts = _disjuncts(cond)
+    if len(parts) < 2:
+        return None
+    boxes = []
+    for part in parts:
+        box: list[Constraint] = []
+        for conj in _conjuncts(part):
+            cs = _constraints_of(conj, row, col, int_params)
+            if cs is None:
+                return None
+            box.extend(cs)
+        boxes.append(tuple(box))
+    return tuple(boxes)

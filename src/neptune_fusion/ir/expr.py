@@ -92,6 +92,13 @@ class Param(Expr):
 
 
 @dataclass(frozen=True, eq=True)
+class Size(Expr):
+    """The extent of `axis` (an integer known when the program runs)."""
+
+    axis: str
+
+
+@dataclass(frozen=True, eq=True)
 class Load(Expr):
     """Element `index` of buffer `buffer`; each index is an integer expression."""
 

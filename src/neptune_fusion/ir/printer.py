@@ -21,6 +21,7 @@ from neptune_fusion.ir.expr import (
     Param,
     Reduce,
     Running,
+    Size,
     Unary,
     Where,
 )
@@ -44,6 +45,8 @@ def format_expr(expr: Expr, _prec: int = -10) -> str:
         return expr.axis
     if isinstance(expr, Param):
         return expr.name
+    if isinstance(expr, Size):
+        return f"|{expr.axis}|"
     if isinstance(expr, Load):
         return f"{expr.buffer}[{', '.join(format_expr(i) for i in expr.index)}]"
     if isinstance(expr, Accumulator):

@@ -95,6 +95,7 @@ class OutputSpec:
 
     stage: str
     dims: tuple[str | None, ...]
+    view: tuple[str | None, ...] | None = None  # dims of the returned tensor when a layout transform changed `dims`
 
 
 @dataclass
@@ -108,6 +109,7 @@ class Program:
     outputs: tuple[OutputSpec, ...]
     axis_sizes: dict[str, tuple[str, int]] = field(default_factory=dict)
     param_kinds: dict[str, str] = field(default_factory=dict)
+    derived_axes: dict[str, tuple[str, object, object]] = field(default_factory=dict)
 
     def stage(self, name: str) -> Stage:
         for node in self.stages:
@@ -149,7 +151,8 @@ class Program:
         """A stable hash of the program's structure (used as the cache key)."""
         from neptune_fusion.ir.printer import format_program
 
-        text = format_program(self) + repr(self.axis_sizes) + repr(self.inputs)
+        text = format_program(self) + repr(self.axis_sizes) + repr(self.inputs) + repr(self.derived_axes)
+        text += repr([(o.dims, o.view) for o in self.outputs])
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def validate(self) -> None:

@@ -33,6 +33,7 @@ from neptune_fusion.schedule.pipeline import SPLIT_AXIS, Step, combine_program, 
 from neptune_fusion.schedule.templates import Auto, Schedule
 from neptune_fusion.tile.ir import TileKernel
 from neptune_fusion.tile.lower import LoweringConfig, assign_roles, lower
+from neptune_fusion.transform.layout import group_divisor, pack_groups
 
 FLOAT_TORCH = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -123,6 +124,30 @@ def _check_tensors(program: Program, args: dict[str, Any], interpreter: bool) ->
     return device
 
 
+_FUSED: dict[tuple[str, int], tuple[Step, ...]] = {}
+
+
+def _fuse_cached(program: Program, splits: int) -> tuple[Step, ...]:
+    """The fusion passes' results, cached by program fingerprint (SymPy proofs are not free)."""
+    key = (program.fingerprint(), splits)
+    if key not in _FUSED:
+        _FUSED[key] = tuple(fuse(program, splits))
+    return _FUSED[key]
+
+
+def _choose_layout(fused: Program, sizes: dict[str, int]) -> tuple[Program, tuple[str, str, int] | None]:
+    """Pack the query heads of a KV group into one program when rows are few (decode)."""
+    roles = assign_roles(fused)
+    for axis in roles.batch:
+        group = group_divisor(fused, axis, roles.col)
+        if group is not None and sizes[roles.row] * group <= 64:
+            try:
+                return pack_groups(fused, axis, roles.row, group), (axis, roles.row, group)
+            except FusionError:
+                return fused, None
+    return fused, None
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -151,24 +176,27 @@ class Compiled:
         """Compile (or fetch from cache) the kernels for these arguments."""
         interpreter = interpreter_mode()
         device = _check_tensors(program, args, interpreter)
-        sizes = axis_extents(program, args)
-        probe = fuse(program)
-        fused = probe[-1].program
-        roles = assign_roles(fused)
-        full_sizes = {a: sizes[a] for a in roles.full}
         dtypes = {b.name: dtype_name(args[b.name].dtype) for b in program.inputs}
         main_dtype = next(dtypes[b.name] for b in program.inputs if args[b.name].is_floating_point())
+        fused = _fuse_cached(program, 1)[-1].program
+        fused, layout = _choose_layout(fused, axis_extents(fused, args))
+        roles = assign_roles(fused)
+        sizes = axis_extents(fused, args)
+        full_sizes = {a: sizes[a] for a in roles.full}
         batch = math.prod(sizes[a] for a in roles.batch)
         second_pass = any(roles.col in fused.stage(o.stage).axes for o in fused.outputs)
         plan = choose(self.schedule, rows=sizes[roles.row], cols=sizes[roles.col], batch=batch,
                       full_sizes=full_sizes, dtype=main_dtype, num_sms=_num_sms(device), interpreter=interpreter,
                       can_split=not second_pass)
         key = (program.fingerprint(), tuple(sorted(dtypes.items())), tuple(sorted(full_sizes.items())), plan,
-               interpreter, str(device))
+               layout, interpreter, str(device))
         if key in self._cache:
             return self._cache[key]
-        steps = fuse(program, plan.splits)
+        steps = list(_fuse_cached(program, plan.splits))
         fused = steps[-1].program
+        if layout is not None:
+            fused = pack_groups(fused, *layout)
+            steps.append(Step(f"pack the {layout[2]} query heads of each KV head into one program's rows", fused))
         config = LoweringConfig(dtypes, main_dtype, full_sizes, plan.block_row, plan.block_col, plan.num_warps,
                                 plan.num_stages, plan.splits, main_dtype, partial_outputs=plan.splits > 1)
         target = "interpreter" if interpreter else "cuda"
@@ -225,12 +253,12 @@ class Compiled:
 
     def _launcher(self, exe: Executable, program: Program, example: dict[str, Any],
                   order: list[str]) -> Callable[[list[Any]], Any]:
-        sizes = axis_extents(program, example)
+        sizes = axis_extents(exe.main.program, example)
         device = example[program.inputs[0].name].device
         out_dtype = next(example[b.name].dtype for b in program.inputs if example[b.name].is_floating_point())
         fused = exe.main.program
         out_shapes = {spec.stage: [sizes[a] for a in fused.stage(spec.stage).axes] for spec in fused.outputs}
-        views = [(spec.stage, [sizes[d] if d else 1 for d in spec.dims]) for spec in program.outputs]
+        views = [(spec.stage, [sizes[d] if d else 1 for d in (spec.view or spec.dims)]) for spec in fused.outputs]
         scratch: dict[str, torch.Tensor] = {}
         if exe.combine is not None:
             loop = next(n for n in fused.stages if isinstance(n, FusedLoop))

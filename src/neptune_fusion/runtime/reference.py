@@ -35,6 +35,7 @@ from neptune_fusion.ir.expr import (
     Param,
     Reduce,
     Running,
+    Size,
     Unary,
     Where,
 )
@@ -72,6 +73,18 @@ def axis_extents(program: Program, args: Mapping[str, Any]) -> dict[str, int]:
                     f"of size {sizes[axis]} (from {src!r} dim {dim})"
                 )
             sizes[axis] = size
+    for axis, (op, a, b) in program.derived_axes.items():
+        # derived axes come from layout transforms: ("div", axis, n), ("mul", axis, axis), ("const", n, _)
+        if op == "div":
+            sizes[axis] = sizes[a] // int(b)  # type: ignore[arg-type,index]
+        elif op == "mul":
+            sizes[axis] = sizes[a] * sizes[b]  # type: ignore[index]
+        elif op == "mulc":
+            sizes[axis] = sizes[a] * int(b)  # type: ignore[index,arg-type]
+        elif op == "const":
+            sizes[axis] = int(a)  # type: ignore[arg-type]
+        else:
+            raise ValueError(f"unknown derived axis rule {op!r}")
     return sizes
 
 
@@ -103,6 +116,8 @@ class _Evaluator:
             if isinstance(v, int):
                 return torch.tensor(v, dtype=torch.int64, device=self.device)
             return torch.tensor(v, dtype=self.dtype, device=self.device)
+        if isinstance(expr, Size):
+            return torch.tensor(self.sizes[expr.axis], dtype=torch.int64, device=self.device)
         if isinstance(expr, Param):
             v = self.params[expr.name]
             if isinstance(v, int) and not isinstance(v, bool):
@@ -368,6 +383,6 @@ def run_reference(program: Program, args: Mapping[str, Any], *, dtype: torch.dty
         value = buffers[spec.stage]
         stage_axes = program.stage(spec.stage).axes
         value = value.permute([stage_axes.index(d) for d in spec.dims if d is not None])
-        value = value.reshape([sizes[d] if d else 1 for d in spec.dims])
+        value = value.reshape([sizes[d] if d else 1 for d in (spec.view or spec.dims)])
         outs.append(value.to(out_dtype) if out_dtype is not None and value.is_floating_point() else value)
     return outs[0] if len(outs) == 1 else tuple(outs)

@@ -32,6 +32,7 @@ from neptune_fusion.ir.expr import (
     Param,
     Reduce,
     Running,
+    Size,
     Unary,
     Where,
     free_axes,
@@ -277,6 +278,8 @@ class KernelBuilder:
             kind = self.program.param_kinds.get(expr.name, "float")
             return self.kernel_arg(f"param_{expr.name}", "int" if kind == "int" else "float",
                                    f"param:{expr.name}", "i32" if kind == "int" else "f32")
+        if isinstance(expr, Size):
+            return self.size(expr.axis)
         if isinstance(expr, Index):
             if expr.axis not in self.bindings:
                 raise UnsupportedProgramError("tile lowering", self.program.name, f"axis {expr.axis}",
@@ -545,23 +548,20 @@ class KernelBuilder:
         r1 = self.bin("add", r0, TVal("BLOCK_R", (), "i32"))
         r1 = self.bin("sub", r1, self.const(1))
         zero = self.const(0)
-        any_lo, any_hi, full_lo, full_hi = zero, n, zero, n
         ctx = _Ctx({}, {}, {}, {}, False)
-        for c in self.masks.constraints:
-            off = self.to(self.emit(c.offset, ctx), "i32")
-            # rows of the tile where a*row is smallest / largest
-            row_min, row_max = (r0, r1) if c.row_coeff >= 0 else (r1, r0)
-
-            def a_times(row: TVal, c=c) -> TVal:
-                return self.bin("mul", row, self.const(c.row_coeff)) if c.row_coeff else zero
-
-            if c.col_coeff > 0:  # col >= -offset - a*row
-                neg_off = self.op("unary", (), "i32", (off,), op="neg")
-                any_lo = self.bin("max", any_lo, self.bin("sub", neg_off, a_times(row_max)))
-                full_lo = self.bin("max", full_lo, self.bin("sub", neg_off, a_times(row_min)))
-            else:  # col <= offset + a*row
-                any_hi = self.bin("min", any_hi, self.bin("add", self.bin("add", off, a_times(row_max)), self.const(1)))
-                full_hi = self.bin("min", full_hi, self.bin("add", self.bin("add", off, a_times(row_min)), self.const(1)))
+        boxes = self.masks.boxes()
+        any_lo = any_hi = full_lo = full_hi = None
+        for box in boxes:
+            b_lo, b_hi, b_flo, b_fhi = self._box_bounds(box, r0, r1, n, ctx)
+            if any_lo is None:
+                any_lo, any_hi, full_lo, full_hi = b_lo, b_hi, b_flo, b_fhi
+                continue
+            # an empty box (lo >= hi) must not widen the hull
+            empty = self.bin("ge", b_lo, b_hi)
+            any_lo = self.bin("min", any_lo, self.op("where", (), "i32", (empty, n, b_lo)))
+            any_hi = self.bin("max", any_hi, self.op("where", (), "i32", (empty, zero, b_hi)))
+            full_lo, full_hi = self._merge_full(full_lo, full_hi, b_flo, b_fhi)
+        assert any_lo is not None and any_hi is not None and full_lo is not None and full_hi is not None
         if self.config.splits > 1:
             pid_s = self.op("program_id", (), "i32", prefix="pid", dim=2)
             per = self.op("cdiv", (), "i32", (n,), prefix="per", block="SPLITS")
@@ -581,14 +581,44 @@ class KernelBuilder:
         if not self.masks.masks:
             self.config.notes.append(f"no mask: tiles [0, {n.name}) visited; only the last partial tile is masked")
         else:
-            conds = "; ".join(f"{c.row_coeff}*row + {c.col_coeff}*col + offset >= 0" for c in self.masks.constraints)
-            self.config.notes.append(f"affine mask conjuncts {conds or '(none)'}: tiles outside the bounds are skipped, "
-                                     "tiles inside all of them run without mask arithmetic")
+            boxes = " OR ".join("(" + " AND ".join(f"{c.row_coeff}*row + {c.col_coeff}*col + c >= 0" for c in box) + ")"
+                                for box in self.masks.boxes())
+            self.config.notes.append(f"affine mask region {boxes}: tiles outside it are skipped, "
+                                     "tiles inside it run without mask arithmetic")
         return [
             (start, fs, True, "tiles that need masks (before the fully visible range)"),
             (fs, fe, False, "fully visible tiles: no mask arithmetic"),
             (fe, stop, True, "tiles that need masks (after the fully visible range)"),
         ]
+
+    def _box_bounds(self, box: tuple, r0: TVal, r1: TVal, n: TVal, ctx: _Ctx) -> tuple[TVal, TVal, TVal, TVal]:
+        """(any_lo, any_hi, full_lo, full_hi) of the loop axis for one box of affine constraints."""
+        zero = self.const(0)
+        any_lo, any_hi, full_lo, full_hi = zero, n, zero, n
+        for c in box:
+            off = self.to(self.emit(c.offset, ctx), "i32")
+            # rows of the tile where a*row is smallest / largest
+            row_min, row_max = (r0, r1) if c.row_coeff >= 0 else (r1, r0)
+
+            def a_times(row: TVal, c=c) -> TVal:
+                return self.bin("mul", row, self.const(c.row_coeff)) if c.row_coeff else zero
+
+            if c.col_coeff > 0:  # col >= -offset - a*row
+                neg_off = self.op("unary", (), "i32", (off,), op="neg")
+                any_lo = self.bin("max", any_lo, self.bin("sub", neg_off, a_times(row_max)))
+                full_lo = self.bin("max", full_lo, self.bin("sub", neg_off, a_times(row_min)))
+            else:  # col <= offset + a*row
+                any_hi = self.bin("min", any_hi, self.bin("add", self.bin("add", off, a_times(row_max)), self.const(1)))
+                full_hi = self.bin("min", full_hi, self.bin("add", self.bin("add", off, a_times(row_min)), self.const(1)))
+        return any_lo, any_hi, full_lo, full_hi
+
+    def _merge_full(self, lo1: TVal, hi1: TVal, lo2: TVal, hi2: TVal) -> tuple[TVal, TVal]:
+        """A fully visible range inside the union of two: their union if they touch, else the longer."""
+        touch = self.bin("le", self.bin("max", lo1, lo2), self.bin("min", hi1, hi2))
+        longer_first = self.bin("ge", self.bin("sub", hi1, lo1), self.bin("sub", hi2, lo2))
+        lo = self.op("where", (), "i32", (touch, self.bin("min", lo1, lo2), self.op("where", (), "i32", (longer_first, lo1, lo2))))
+        hi = self.op("where", (), "i32", (touch, self.bin("max", hi1, hi2), self.op("where", (), "i32", (longer_first, hi1, hi2))))
+        return lo, hi
 
     def _emit_loop(self, start: TVal, stop: TVal, masked: bool, state: dict[str, TVal],
                    valid: dict[str, TVal | None], comment: str) -> None:
