@@ -113,7 +113,7 @@ class _Printer:
         if k == "where":
             return f"tl.where({', '.join(self.ref(x, out.axes) for x in a)})"
         if k == "cast":
-            return f"{a[0].name}.to({TL_DTYPES[at['to_dtype']]})"
+            return f"tl.cast({a[0].name}, {TL_DTYPES[at['to_dtype']]})"
         if k == "reduce":
             fn = {"sum": "tl.sum", "max": "tl.max", "min": "tl.min"}[at["op"]]
             return f"{fn}({a[0].name}, axis={a[0].axes.index(at['axis'])})"

@@ -22,17 +22,19 @@ from typing import Any, Callable
 
 import torch
 
+from neptune_fusion.analysis.masks import MaskInfo, analyze_masks
 from neptune_fusion.codegen.triton_source import generate
 from neptune_fusion.ir.errors import FusionError
 from neptune_fusion.ir.program import FusedLoop, Program
 from neptune_fusion.lang.tensor import dtype_name
 from neptune_fusion.lang.trace import ProgramDef
+from neptune_fusion.runtime.blockmap import block_map, block_map_axes
 from neptune_fusion.runtime.reference import axis_extents, run_reference
 from neptune_fusion.schedule.auto import Plan, choose
 from neptune_fusion.schedule.pipeline import SPLIT_AXIS, Step, combine_program, fuse
 from neptune_fusion.schedule.templates import Auto, Schedule
 from neptune_fusion.tile.ir import TileKernel
-from neptune_fusion.tile.lower import LoweringConfig, assign_roles, lower
+from neptune_fusion.tile.lower import BLOCK_MAP_PREFIX, LoweringConfig, assign_roles, fused_loop_of, lower
 from neptune_fusion.transform.layout import group_divisor, pack_groups
 
 FLOAT_TORCH = (torch.float16, torch.bfloat16, torch.float32)
@@ -86,6 +88,7 @@ class Executable:
     main: KernelLaunch
     combine: KernelLaunch | None
     combine_steps: list[Step] = field(default_factory=list)
+    masks: MaskInfo | None = None  # set when tiles are visited from a run-time block map
 
 
 def _check_tensors(program: Program, args: dict[str, Any], interpreter: bool) -> torch.device:
@@ -185,9 +188,12 @@ class Compiled:
         full_sizes = {a: sizes[a] for a in roles.full}
         batch = math.prod(sizes[a] for a in roles.batch)
         second_pass = any(roles.col in fused.stage(o.stage).axes for o in fused.outputs)
+        int_params = {p for p, k in fused.param_kinds.items() if k == "int"}
+        masks = analyze_masks(fused_loop_of(fused), roles.row, int_params)
+        use_block_map = masks.residual
         plan = choose(self.schedule, rows=sizes[roles.row], cols=sizes[roles.col], batch=batch,
                       full_sizes=full_sizes, dtype=main_dtype, num_sms=_num_sms(device), interpreter=interpreter,
-                      can_split=not second_pass)
+                      can_split=not (second_pass or use_block_map))
         key = (program.fingerprint(), tuple(sorted(dtypes.items())), tuple(sorted(full_sizes.items())), plan,
                layout, interpreter, str(device))
         if key in self._cache:
@@ -197,8 +203,15 @@ class Compiled:
         if layout is not None:
             fused = pack_groups(fused, *layout)
             steps.append(Step(f"pack the {layout[2]} query heads of each KV head into one program's rows", fused))
+        block_axes = None
+        if use_block_map:
+            block_axes = block_map_axes(masks, roles)
+            dtypes = dict(dtypes)
+            for kind in ("full", "partial"):
+                dtypes[f"{BLOCK_MAP_PREFIX}{kind}_count"] = dtypes[f"{BLOCK_MAP_PREFIX}{kind}_index"] = "i32"
         config = LoweringConfig(dtypes, main_dtype, full_sizes, plan.block_row, plan.block_col, plan.num_warps,
-                                plan.num_stages, plan.splits, main_dtype, partial_outputs=plan.splits > 1)
+                                plan.num_stages, plan.splits, main_dtype, partial_outputs=plan.splits > 1,
+                                block_map_axes=block_axes)
         target = "interpreter" if interpreter else "cuda"
         name = f"nf_{program.name}"
         tile = lower(fused, config, name)
@@ -217,7 +230,7 @@ class Compiled:
             ctile = lower(cfused, cconfig, f"{name}_combine")
             csource = generate(ctile, target)
             combine = KernelLaunch(ctile, csource, _load_kernel(csource, ctile.name), cfused)
-        exe = Executable(steps, plan, main, combine, combine_steps)
+        exe = Executable(steps, plan, main, combine, combine_steps, masks if use_block_map else None)
         self._cache[key] = exe
         return exe
 
@@ -269,13 +282,22 @@ class Compiled:
         kernels = [(exe.main, sizes, exe.combine is None)]
         if exe.combine is not None:
             kernels.append((exe.combine, csizes, True))
-        plans = [self._arg_plan(k, s, position, scratch, example, out_shapes, writes_outputs)
+        extras: dict[str, torch.Tensor] = {}
+        if exe.masks is not None:
+            extras = block_map(fused, exe.masks, assign_roles(fused), sizes, example, exe.plan.block_row,
+                               exe.plan.block_col)
+        plans = [self._arg_plan(k, s, position, scratch, example, out_shapes, writes_outputs, extras)
                  for k, s, writes_outputs in kernels]
 
         launchers = [_FastLaunch(*plan) for plan in plans]
+        masks = exe.masks
+        roles = assign_roles(fused)
 
         def run(values: list[Any]) -> Any:
             outputs = {name: torch.empty(shape, dtype=out_dtype, device=device) for name, shape in out_shapes.items()}
+            if masks is not None:
+                outputs.update(block_map(fused, masks, roles, sizes, dict(zip(order, values)), exe.plan.block_row,
+                                         exe.plan.block_col))
             for launcher in launchers:
                 launcher(values, outputs)
             results = [outputs[name].view(shape) for name, shape in views]
@@ -285,7 +307,7 @@ class Compiled:
 
     def _arg_plan(self, launch: KernelLaunch, sizes: dict[str, int], position: dict[str, int],
                   scratch: dict[str, torch.Tensor], example: dict[str, Any], out_shapes: dict[str, list[int]],
-                  writes_outputs: bool) -> tuple[Any, ...]:
+                  writes_outputs: bool, extras: dict[str, torch.Tensor]) -> tuple[Any, ...]:
         """How to build each kernel argument from the call's values (resolved once per shape)."""
         tile = launch.tile
         getters: list[Callable[[list[Any], dict[str, torch.Tensor]], Any]] = []
@@ -295,6 +317,8 @@ class Compiled:
                 getters.append(lambda v, o, i=position[rest]: v[i])
             elif kind in ("input", "scratch") and rest in scratch:
                 getters.append(lambda v, o, t=scratch[rest]: t)
+            elif kind == "input" and rest in extras:
+                getters.append(lambda v, o, n=rest: o[n])
             elif kind == "output":
                 stage_name = rest.removeprefix("out_")
                 getters.append(lambda v, o, n=stage_name: o[n])
@@ -306,6 +330,8 @@ class Compiled:
                     stride = example[buf].stride(int(dim))
                 elif buf in scratch:
                     stride = scratch[buf].stride(int(dim))
+                elif buf in extras:
+                    stride = extras[buf].stride(int(dim))
                 else:
                     shape = out_shapes[buf[len("out_"):]]
                     stride = math.prod(shape[int(dim) + 1:])

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 from neptune_fusion.analysis.masks import MaskInfo, analyze_masks
 from neptune_fusion.ir.errors import UnsupportedProgramError
@@ -45,6 +46,9 @@ from neptune_fusion.ir.program import FusedLoop, Program, Stage
 from neptune_fusion.tile.ir import Assign, KernelArg, Loop, Op, Stmt, Store, TileKernel, TVal
 
 LOG2E = 1.4426950408889634
+BLOCK_MAP_PREFIX = "__blockmap_"
+BLOCK_MAP_ROW = "__row_tile__"
+BLOCK_MAP_TILE = "__tile__"
 STRIDE_PREFIX = "__stride__"
 FLOAT_DTYPES = ("f32", "f16", "bf16")
 
@@ -75,6 +79,7 @@ class LoweringConfig:
     splits: int = 1
     dot_dtype: str = "f16"
     partial_outputs: bool = False  # split-K: store member states to scratch instead of outputs
+    block_map_axes: tuple[str, ...] | None = None  # visit tiles from run-time lists (batch axes they depend on)
     notes: list[str] = field(default_factory=list)
 
 
@@ -243,7 +248,8 @@ class KernelBuilder:
         if not ctx.variant:
             return False
         col = self.roles.col
-        if any((isinstance(n, Index) and n.axis == col) or (isinstance(n, Reduce) and n.axis == col) for n in walk(expr)):
+        if any((isinstance(n, Index) and n.axis in (col, BLOCK_MAP_TILE)) or (isinstance(n, Reduce) and n.axis == col)
+               for n in walk(expr)):
             return True
         if loads_of(expr) & self.member_names:
             return True
@@ -519,9 +525,11 @@ class KernelBuilder:
             size = cfg.full_sizes[axis]
             valid[axis] = None if size == self.constexprs[self.block[axis]] else self.bin("lt", self.bindings[axis], self.size(axis))
         state = self._init_state()
-        segments = self._loop_segments(r0)
-        for start, stop, masked, comment in segments:
-            self._emit_loop(start, stop, masked, state, valid, comment)
+        if cfg.block_map_axes is not None:
+            self._emit_block_map_loops(row_tile, state, valid)
+        else:
+            for start, stop, masked, comment in self._loop_segments(r0):
+                self._emit_loop(start, stop, masked, state, valid, comment)
         self._emit_outputs(state, valid)
         grid = [f"cdiv(size_{roles.row}, BLOCK_R)", " * ".join(f"size_{a}" for a in roles.batch) or "1"]
         if cfg.splits > 1:
@@ -620,21 +628,47 @@ class KernelBuilder:
         hi = self.op("where", (), "i32", (touch, self.bin("max", hi1, hi2), self.op("where", (), "i32", (longer_first, hi1, hi2))))
         return lo, hi
 
+    def _emit_block_map_loops(self, row_tile: TVal, state: dict[str, TVal], valid: dict[str, TVal | None]) -> None:
+        """Visit the tiles a run-time block map lists for this row tile: fully visible ones with no
+        mask arithmetic, partly visible ones with it; empty tiles are never visited."""
+        axes = self.config.block_map_axes or ()
+        self.bindings[BLOCK_MAP_ROW] = row_tile
+        batch_index = tuple(Index(a) for a in axes)
+        ctx = _Ctx({}, {}, {}, {}, False)
+        for kind, masked in (("full", False), ("partial", True)):
+            count = self.emit(Load(f"{BLOCK_MAP_PREFIX}{kind}_count", (*batch_index, Index(BLOCK_MAP_ROW))), ctx)
+            var = TVal(self.fresh("t_"), (), "i32")
+            self.bindings[BLOCK_MAP_TILE] = var
+
+            def start_of(_: TVal, kind: str = kind) -> TVal:
+                idx = Load(f"{BLOCK_MAP_PREFIX}{kind}_index",
+                           (*batch_index, Index(BLOCK_MAP_ROW), Index(BLOCK_MAP_TILE)))
+                tile = self.emit(idx, _Ctx({}, {}, {}, {}, True))
+                return self.bin("mul", tile, TVal("BLOCK_C", (), "i32"))
+
+            self._emit_loop(self.const(0), count, masked, state, valid,
+                            f"{kind} tiles listed by the block map", var=var, start_of=start_of, exact=True, step="1")
+            del self.bindings[BLOCK_MAP_TILE]
+
     def _emit_loop(self, start: TVal, stop: TVal, masked: bool, state: dict[str, TVal],
-                   valid: dict[str, TVal | None], comment: str) -> None:
+                   valid: dict[str, TVal | None], comment: str, var: TVal | None = None,
+                   start_of: Callable[[TVal], TVal] | None = None, exact: bool = False, step: str = "BLOCK_C") -> None:
+        """One loop over tiles of the loop axis. `start_of` maps the loop variable to the tile's first
+        index (default: the variable itself); `exact`: unmasked tiles are wholly visible, residual too."""
         roles = self.roles
         body: list[Stmt] = []
         scope = _Scope(body)
         self.scopes.append(scope)
-        var = TVal(self.fresh("start_"), (), "i32")
-        self.bindings[roles.col] = self.op("arange", (roles.col,), "i32", (var,), prefix="cols", block="BLOCK_C")
+        var = var or TVal(self.fresh("start_"), (), "i32")
+        first = start_of(var) if start_of is not None else var
+        self.bindings[roles.col] = self.op("arange", (roles.col,), "i32", (first,), prefix="cols", block="BLOCK_C")
         inner_valid = dict(valid)
         replace: dict[Expr, Expr] = {}
         if masked:
             inner_valid[roles.col] = self.bin("lt", self.bindings[roles.col], self.size(roles.col))
         else:
             inner_valid[roles.col] = None
-            replace = {m.node: m.unmasked() for m in self.masks.masks}
+            replace = {m.node: (m.visible if exact else m.unmasked()) for m in self.masks.masks}
         ctx = _Ctx({}, {}, inner_valid, replace, True)
         new_state: dict[str, TVal] = {}
         for m in self.loop.members:
@@ -674,7 +708,7 @@ class KernelBuilder:
             body.append(Assign(state[m.name], new_state[m.name]))
         self.scopes.pop()
         del self.bindings[roles.col]
-        self.body.append(Loop(var, start, stop, "BLOCK_C", body, comment))
+        self.body.append(Loop(var, start, stop, step, body, comment))
 
     def _emit_outputs(self, state: dict[str, TVal], valid: dict[str, TVal | None]) -> None:
         scope = _Scope(self.body)

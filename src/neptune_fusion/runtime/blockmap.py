@@ -1,0 +1,97 @@
+"""Run-time block maps for masks the compiler cannot bound analytically (document ids, gathers).
+
+For every (row tile, column tile) the mask condition is evaluated on the host device and
+classified as empty, partly visible or fully visible; the kernel then visits only the listed
+tiles (fully visible ones with no mask arithmetic). Maps are cached per program, shapes, block
+sizes and the identity and version of the tensors the condition reads, so repeated calls (and
+layers sharing the same document ids) build them once.
+
+Example:
+    >>> # maps = block_map(fused, masks, roles, sizes, args, block_row=128, block_col=64)
+    >>> # maps["__blockmap_full_count"].shape == (n_row_tiles,)
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from neptune_fusion.analysis.masks import MaskInfo
+from neptune_fusion.ir.expr import Binary, Expr, Index, Unary, free_axes, loads_of, walk
+from neptune_fusion.ir.program import Program
+from neptune_fusion.runtime.reference import _Evaluator
+from neptune_fusion.tile.lower import BLOCK_MAP_PREFIX, AxisRoles
+
+_CACHE: OrderedDict[tuple[Any, ...], dict[str, torch.Tensor]] = OrderedDict()
+_CACHE_SIZE = 64
+builds = 0  # how many maps were built (not fetched from the cache); read by tests
+
+
+def visibility(masks: MaskInfo) -> Expr:
+    """The condition under which an element is visible through every mask."""
+    cond: Expr | None = None
+    for m in masks.masks:
+        c = m.node.cond if m.visible is m.node.a else Unary("not", m.node.cond)
+        cond = c if cond is None else Binary("and", cond, c)
+    assert cond is not None
+    return cond
+
+
+def block_map_axes(masks: MaskInfo, roles: AxisRoles) -> tuple[str, ...]:
+    """The batch axes the visibility condition depends on (the map has one slice per value)."""
+    axes = free_axes(visibility(masks))
+    return tuple(a for a in roles.batch if a in axes)
+
+
+def block_map(program: Program, masks: MaskInfo, roles: AxisRoles, sizes: dict[str, int], args: dict[str, Any],
+              block_row: int, block_col: int) -> dict[str, torch.Tensor]:
+    """Tile lists for the kernel: counts and indices of full and partial column tiles per row tile."""
+    global builds
+    cond = visibility(masks)
+    reads = sorted(loads_of(cond))
+    key = (program.fingerprint(), tuple(sorted(sizes.items())), block_row, block_col,
+           tuple((n, args[n].data_ptr(), args[n]._version, tuple(args[n].shape)) for n in reads),
+           tuple((p, args[p]) for p in program.params if any(getattr(x, "name", None) == p for x in walk(cond))))
+    if key in _CACHE:
+        _CACHE.move_to_end(key)
+        return _CACHE[key]
+    builds += 1
+    device = next(t.device for t in args.values() if isinstance(t, torch.Tensor))
+    axes = block_map_axes(masks, roles)
+    rows, cols = sizes[roles.row], sizes[roles.col]
+    n_rt, n_ct = math.ceil(rows / block_row), math.ceil(cols / block_col)
+    buffers = {n: args[n] for n in reads}
+    ev = _Evaluator(sizes, buffers, {p: args[p] for p in program.params}, torch.float32, device)
+    frame = [*axes, roles.row, roles.col]
+    batch_shape = [sizes[a] for a in axes]
+    any_vis = torch.zeros(*batch_shape, n_rt, n_ct, dtype=torch.bool, device=device)
+    all_vis = torch.zeros_like(any_vis)
+    chunk = max(1, (1 << 24) // max(1, cols * max(1, math.prod(batch_shape)))) * block_row
+    for lo in range(0, rows, chunk):
+        hi = min(rows, lo + chunk)
+        ev.ranges[roles.row] = torch.arange(lo, hi, device=device)
+        vis = ev.eval(cond, frame).bool()
+        vis = vis.expand(*batch_shape, hi - lo, cols)
+        pad_r = math.ceil((hi - lo) / block_row) * block_row - (hi - lo)
+        pad_c = n_ct * block_col - cols
+        padded = torch.nn.functional.pad(vis, (0, pad_c, 0, pad_r), value=False)
+        tiles = padded.reshape(*batch_shape, -1, block_row, n_ct, block_col)
+        t0 = lo // block_row
+        any_vis[..., t0:t0 + tiles.shape[-4], :] = tiles.any(dim=-1).any(dim=-2)
+        all_vis[..., t0:t0 + tiles.shape[-4], :] = tiles.all(dim=-1).all(dim=-2)
+    partial = any_vis & ~all_vis
+    out: dict[str, torch.Tensor] = {}
+    for kind, sel in (("full", all_vis), ("partial", partial)):
+        order = torch.argsort((~sel).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+        out[f"{BLOCK_MAP_PREFIX}{kind}_count"] = sel.sum(dim=-1, dtype=torch.int32).contiguous()
+        out[f"{BLOCK_MAP_PREFIX}{kind}_index"] = order.contiguous()
+    _CACHE[key] = out
+    while len(_CACHE) > _CACHE_SIZE:
+        _CACHE.popitem(last=False)
+    return out
+
+
+__all__ = ["block_map", "block_map_axes", "visibility", "Index"]
