@@ -187,13 +187,12 @@ class Compiled:
         sizes = axis_extents(fused, args)
         full_sizes = {a: sizes[a] for a in roles.full}
         batch = math.prod(sizes[a] for a in roles.batch)
-        second_pass = any(roles.col in fused.stage(o.stage).axes for o in fused.outputs)
         int_params = {p for p, k in fused.param_kinds.items() if k == "int"}
         masks = analyze_masks(fused_loop_of(fused), roles.row, int_params)
         use_block_map = masks.residual
         plan = choose(self.schedule, rows=sizes[roles.row], cols=sizes[roles.col], batch=batch,
                       full_sizes=full_sizes, dtype=main_dtype, num_sms=_num_sms(device), interpreter=interpreter,
-                      can_split=not (second_pass or use_block_map))
+                      can_split=not use_block_map)
         key = (program.fingerprint(), tuple(sorted(dtypes.items())), tuple(sorted(full_sizes.items())), plan,
                layout, interpreter, str(device))
         if key in self._cache:
@@ -226,7 +225,8 @@ class Compiled:
             cdtypes = {b.name: ("f32" if b.name.startswith("part_") else dtypes[b.name]) for b in cprog.inputs}
             cfull = {a: full_sizes[a] for a in assign_roles(cfused).full}
             block_split = max(16, 1 << (plan.splits - 1).bit_length())
-            cconfig = LoweringConfig(cdtypes, main_dtype, cfull, plan.block_row, block_split, 4, 1, 1, "f32")
+            cconfig = LoweringConfig(cdtypes, main_dtype, cfull, plan.block_row, block_split, 4, 1, 1, "f32",
+                                     block_epilogue=32 if interpreter else 128)
             ctile = lower(cfused, cconfig, f"{name}_combine")
             csource = generate(ctile, target)
             combine = KernelLaunch(ctile, csource, _load_kernel(csource, ctile.name), cfused)

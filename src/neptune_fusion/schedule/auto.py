@@ -38,8 +38,8 @@ def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: 
            num_sms: int, interpreter: bool, can_split: bool = True) -> Plan:
     """Resolve `schedule` for these sizes (rows: tiled axis, cols: reduced axis, batch: programs per row tile).
 
-    `can_split` is False when an output is indexed by the reduced axis (softmax), which needs
-    the final reductions in a second pass over it, so split-K does not apply.
+    `can_split` is False when tiles are visited from a run-time block map (which lists tiles of
+    whole rows, not of chunks).
     """
     head = max(full_sizes.values(), default=64)
     if interpreter:
@@ -56,8 +56,8 @@ def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: 
     splits = 1
     if isinstance(schedule, SplitK):
         if not can_split:
-            raise ValueError("split_k cannot be used when an output is indexed by the reduced axis "
-                             "(it needs the final reductions in a second pass); use flash()")
+            raise ValueError("split_k cannot be combined with a data-dependent mask (its block map lists "
+                             "tiles of whole rows); use flash()")
         splits = schedule.splits or 0
     elif isinstance(schedule, Auto) and can_split:
         programs = math.ceil(rows / block_row) * batch

@@ -59,10 +59,11 @@ class AxisRoles:
     col: str
     batch: tuple[str, ...]
     full: tuple[str, ...]
+    epilogue: tuple[str, ...] = ()  # axes only outputs have (a split-K combine's second pass)
 
     @property
     def tile_axes(self) -> tuple[str, ...]:
-        return (self.row, self.col, *self.full)
+        return (self.row, self.col, *self.full, *self.epilogue)
 
 
 @dataclass
@@ -80,6 +81,7 @@ class LoweringConfig:
     dot_dtype: str = "f16"
     partial_outputs: bool = False  # split-K: store member states to scratch instead of outputs
     block_map_axes: tuple[str, ...] | None = None  # visit tiles from run-time lists (batch axes they depend on)
+    block_epilogue: int = 128  # tile size of second passes over output-only axes
     notes: list[str] = field(default_factory=list)
 
 
@@ -109,19 +111,24 @@ def assign_roles(program: Program) -> AxisRoles:
                 full.append(a)
 
     for st in program.all_stages():
-        note(st.axes)
+        member = st in loop.members
+        if member:
+            note(st.axes)
         for node in walk(st.body):
             if isinstance(node, Reduce):
                 note({node.axis})
-            if isinstance(node, Index):
+            if isinstance(node, Index) and (member or node.axis not in st.axes):
                 note({node.axis})
+    epilogue: list[str] = []
+    for st in program.all_stages():
+        for a in st.axes:
+            if a not in known and a not in full and a not in epilogue:
+                epilogue.append(a)
     for m in loop.members:
         if loop.axis in m.axes:
             raise UnsupportedProgramError("tile lowering", m.name, f"{m.reduce_op} over {loop.axis}",
                                           "a member of the loop is indexed by the loop axis")
-        if not set(batch) <= set(m.axes) and m is not smallest:
-            pass
-    return AxisRoles(row, loop.axis, tuple(batch), tuple(full))
+    return AxisRoles(row, loop.axis, tuple(batch), tuple(full), tuple(epilogue))
 
 
 class _Scope:
@@ -165,6 +172,7 @@ class KernelBuilder:
         self.args: list[KernelArg] = []
         self.arg_index: dict[str, TVal] = {}
         self.consts: dict[tuple[str, str], TVal] = {}
+        self.variant_axes = {self.roles.col, BLOCK_MAP_TILE}  # indices that change inside a loop
         self.member_names = {m.name for m in self.loop.members}
         self.block = {self.roles.row: "BLOCK_R", self.roles.col: "BLOCK_C"}
         self.constexprs: dict[str, int] = {"BLOCK_R": config.block_row, "BLOCK_C": config.block_col}
@@ -173,6 +181,9 @@ class KernelBuilder:
             self.block[axis] = f"BLOCK_{axis.upper()}"
             self.constexprs[f"BLOCK_{axis.upper()}"] = max(16, 1 << (size - 1).bit_length())
             self.constexprs[f"SIZE_{axis.upper()}"] = size
+        for axis in self.roles.epilogue:
+            self.block[axis] = f"BLOCK_{axis.upper()}"
+            self.constexprs[f"BLOCK_{axis.upper()}"] = config.block_epilogue
         if config.splits > 1:
             self.constexprs["SPLITS"] = config.splits
         int_params = {p for p, k in program.param_kinds.items() if k == "int"}
@@ -247,9 +258,8 @@ class KernelBuilder:
     def is_variant(self, expr: Expr, ctx: _Ctx) -> bool:
         if not ctx.variant:
             return False
-        col = self.roles.col
-        if any((isinstance(n, Index) and n.axis in (col, BLOCK_MAP_TILE)) or (isinstance(n, Reduce) and n.axis == col)
-               for n in walk(expr)):
+        loop_axes = self.variant_axes
+        if any(isinstance(n, (Index, Reduce)) and n.axis in loop_axes for n in walk(expr)):
             return True
         if loads_of(expr) & self.member_names:
             return True
@@ -718,39 +728,47 @@ class KernelBuilder:
             for m in self.loop.members:
                 self._store(f"part_{m.name}", m.axes, state[m.name], valid, scratch=True)
         else:
-            second_pass = []
+            passes: dict[str, list[Stage]] = {}
             for out in self.program.outputs:
                 stage = self.program.stage(out.stage)
-                if self.roles.col in stage.axes:
-                    second_pass.append(stage)
+                extra = [a for a in stage.axes if a == self.roles.col or a in self.roles.epilogue]
+                if len(extra) > 1:
+                    raise UnsupportedProgramError("tile lowering", stage.name, "output",
+                                                  f"an output with two axes {extra} beyond the reduction is not supported")
+                if extra:
+                    passes.setdefault(extra[0], []).append(stage)
                     continue
                 value = state[stage.name] if stage.name in self.member_names else self.emit(stage.body, ctx)
                 self._store(f"out_{stage.name}", stage.axes, value, valid)
-            if second_pass:
-                self._emit_second_pass(second_pass, state, valid)
+            for axis, stages in passes.items():
+                self._emit_second_pass(stages, state, valid, axis)
         self.scopes.pop()
 
-    def _emit_second_pass(self, stages: list[Stage], state: dict[str, TVal], valid: dict[str, TVal | None]) -> None:
-        """Outputs indexed by the loop axis (e.g. softmax probabilities): one more pass over it,
-        reading the final values of the reductions."""
-        roles = self.roles
+    def _emit_second_pass(self, stages: list[Stage], state: dict[str, TVal], valid: dict[str, TVal | None],
+                          axis: str) -> None:
+        """Outputs indexed by the reduced axis (softmax probabilities) or by an axis only outputs
+        have: one more pass over that axis, reading the final values of the reductions."""
+        if axis == self.roles.col and self.config.splits > 1:
+            raise UnsupportedProgramError("tile lowering", stages[0].name, "output",
+                                          "a split-K kernel writes partial states; its combine does the second pass")
         body: list[Stmt] = []
         self.scopes.append(_Scope(body))
         var = TVal(self.fresh("start_"), (), "i32")
-        self.bindings[roles.col] = self.op("arange", (roles.col,), "i32", (var,), prefix="cols", block="BLOCK_C")
+        block = self.block[axis]
+        self.bindings[axis] = self.op("arange", (axis,), "i32", (var,), prefix="cols", block=block)
         inner_valid = dict(valid)
-        inner_valid[roles.col] = self.bin("lt", self.bindings[roles.col], self.size(roles.col))
+        inner_valid[axis] = self.bin("lt", self.bindings[axis], self.size(axis))
         ctx = _Ctx(dict(state), {}, inner_valid, {}, True)
-        for stage in stages:
-            self._store(f"out_{stage.name}", stage.axes, self.emit(stage.body, ctx), inner_valid, variant=True)
+        self.variant_axes.add(axis)
+        try:
+            for stage in stages:
+                self._store(f"out_{stage.name}", stage.axes, self.emit(stage.body, ctx), inner_valid, variant=True)
+        finally:
+            self.variant_axes.discard(axis)
         self.scopes.pop()
-        del self.bindings[roles.col]
-        start = self.const(0)
-        stop = self.size(roles.col)
-        if self.config.splits > 1:
-            raise UnsupportedProgramError("tile lowering", stages[0].name, "output",
-                                          "outputs indexed by the loop axis are not supported with split-K")
-        self.body.append(Loop(var, start, stop, "BLOCK_C", body, "second pass: outputs indexed by the loop axis"))
+        del self.bindings[axis]
+        self.body.append(Loop(var, self.const(0), self.size(axis), block, body,
+                              f"second pass over {axis}: outputs indexed by it"))
 
     def _store(self, buffer: str, axes: tuple[str, ...], value: TVal, valid: dict[str, TVal | None],
                scratch: bool = False, variant: bool = False) -> None:
