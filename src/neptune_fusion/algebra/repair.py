@@ -137,3 +137,21 @@ def contribution_vanishes(g: Expr, masked: Expr, value: float, identity: float, 
     if identity == 0:
         return bool(at == 0)
     return bool(at == (-inf if identity < 0 else inf))
+
+
+def repair_finite_from_identity(h: Expr, producer: str, identity: float) -> bool:
+    """True when h stays finite as the old running value of `producer` is its reducer's identity.
+
+    For `t * exp(r - r')` at r = -inf the factor is 0: a chunk that saw nothing repairs to 0 by
+    itself. For `t * (r / r')**2` it is infinite, so the caller must not apply h to such a chunk.
+    """
+    import sympy as sp
+
+    try:
+        sym, table = S.to_sympy(h, set())
+    except S.NotAlgebraic:
+        return False
+    old = table.old(producer)
+    value = sym.subs(S.symbol("t"), 1)
+    value = sp.limit(value, old, -sp.oo if identity < 0 else sp.oo)
+    return bool(value.is_finite)

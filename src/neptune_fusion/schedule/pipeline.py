@@ -8,9 +8,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from neptune_fusion.algebra.repair import repair_finite_from_identity
 from neptune_fusion.analysis.chains import chain_axis
 from neptune_fusion.ir.errors import FusionError
-from neptune_fusion.ir.expr import Accumulator, Expr, Index, Load, Reduce, Running, transform_bottom_up
+from neptune_fusion.ir.expr import (
+    REDUCER_IDENTITY,
+    Accumulator,
+    Binary,
+    Const,
+    Expr,
+    Index,
+    Load,
+    Reduce,
+    Running,
+    Where,
+    transform_bottom_up,
+)
 from neptune_fusion.ir.program import FusedLoop, InputBuffer, OutputSpec, Program, Stage
 from neptune_fusion.transform.inline import inline_along, inline_elementwise, inline_stages
 from neptune_fusion.transform.normalize import hoist_invariant_factors
@@ -78,12 +91,19 @@ def combine_program(fused: Program) -> Program:
             repair = loop.repairs[m.name]
             assert repair is not None
 
-            def rule(node: Expr, m: Stage = m) -> Expr | None:
+            def rule(node: Expr, m: Stage = m, repair: Expr = repair) -> Expr | None:
                 if isinstance(node, Accumulator):
                     return part(m.name)
                 if isinstance(node, Running):
                     prod = loop.member(node.stage)
                     if node.which == "old":
+                        # a chunk whose running max/min never left its identity saw nothing: repair it
+                        # from the final value to itself (h(t, r, r) = t), never through inf * 0
+                        ident = REDUCER_IDENTITY[prod.reduce_op]
+                        if prod.reduce_op in ("max", "min") and not repair_finite_from_identity(
+                                repair, node.stage, ident):
+                            # stand in 0 for a chunk's value that never left the identity
+                            return Where(Binary("eq", part(node.stage), Const(ident)), Const(0.0), part(node.stage))
                         return part(node.stage)
                     return Load(node.stage, tuple(Index(a) for a in prod.axes))
                 return None

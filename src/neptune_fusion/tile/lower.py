@@ -638,6 +638,15 @@ class KernelBuilder:
         hi = self.op("where", (), "i32", (touch, self.bin("max", hi1, hi2), self.op("where", (), "i32", (longer_first, hi1, hi2))))
         return lo, hi
 
+    def _guarded_old(self, producer: str, old: TVal, new: TVal) -> TVal:
+        """A running max/min still at its identity has seen nothing, so neither has anything that
+        depends on it: repairing from `new` to `new` (h(t, r, r) = t) avoids inf * 0 in the repair."""
+        op = self.loop.member(producer).reduce_op
+        if op not in ("max", "min"):
+            return old
+        fresh = self.bin("eq", old, self.const(REDUCER_IDENTITY[op]))
+        return self.op("where", old.axes, "f32", (fresh, new, old), prefix="old")
+
     def _emit_block_map_loops(self, row_tile: TVal, state: dict[str, TVal], valid: dict[str, TVal | None]) -> None:
         """Visit the tiles a run-time block map lists for this row tile: fully visible ones with no
         mask arithmetic, partly visible ones with it; empty tiles are never visited."""
@@ -694,7 +703,7 @@ class KernelBuilder:
                 repair = transform_bottom_up(repair, lambda n, a=acc_name: Load(a, ()) if isinstance(n, Accumulator) else None)
                 ctx.placeholders = {}
                 for p in producers:
-                    ctx.placeholders[Running(p, "old")] = state[p]
+                    ctx.placeholders[Running(p, "old")] = self._guarded_old(p, state[p], ctx.values[p])
                     ctx.placeholders[Running(p, "new")] = ctx.values[p]
                 acc = self.emit(repair, ctx)
                 ctx.placeholders = {}
