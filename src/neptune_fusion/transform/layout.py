@@ -82,8 +82,22 @@ def pack_groups(program: Program, head: str, rows: str, group: int) -> Program:
                               f"a stage indexed by {head!r} but not {rows!r} cannot be packed")
         return tuple(outer if a == head else packed if a == rows else a for a in axes)
 
+    stage_axes = {st.name: st.axes for st in program.all_stages()}
+
+    def reindex_stage_loads(expr: Expr) -> Expr:
+        # loads of other stages read them at their own axes, which the packing renames
+        def rule(node: Expr) -> Expr | None:
+            if isinstance(node, Load) and node.buffer in stage_axes:
+                axes = stage_axes[node.buffer]
+                if node.index == tuple(Index(a) for a in axes):
+                    return Load(node.buffer, tuple(Index(a) for a in rewrite_axes(axes)))
+            return None
+
+        return transform_bottom_up(expr, rule)
+
     def rewrite_stage(st: Stage) -> Stage:
-        body = _simplify_group_index(substitute_index(st.body, mapping), outer, in_group, group)
+        body = substitute_index(reindex_stage_loads(st.body), mapping)
+        body = _simplify_group_index(body, outer, in_group, group)
         return Stage(st.name, rewrite_axes(st.axes), body)
 
     for o in program.outputs:
