@@ -69,9 +69,9 @@ def sweep(op: str, seq: int, dim: int = 128) -> dict:
     slopes = torch.ones(hq, device="cuda")
     ref = torch_plain(q.float(), k.float(), v.float(), slopes, 0.1, kind).float()
     out = {}
-    for splits in (4, 8, 16, 32, 64, 128):
-        for bk in (32, 64, 128):
-            for warps, stages in ((4, 2), (4, 3), (4, 4), (8, 3)):
+    for splits in (8, 16, 32, 64):
+        for bk in (64, 128):
+            for warps, stages in ((4, 2), (4, 3), (8, 3)):
                 if seq // splits < bk:
                     continue
                 fn = nf.compile(plain(kind), schedule=nf.split_k(splits=splits, block_k=bk, num_warps=warps,
@@ -154,8 +154,8 @@ def main() -> None:
     results = []
     sweeps = {}
     if args.sweep:
-        for op in args.ops:
-            for seq in args.seqs:
+        for op in ("dc_causal", "dc_gqa"):
+            for seq in (4096, 16384):
                 sweeps[f"{op}_{seq}"] = sweep(op, seq)
     for op in args.ops:
         for seq in args.seqs:

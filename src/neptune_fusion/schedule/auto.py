@@ -48,7 +48,7 @@ def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: 
         warps, stages = 4, 1
     else:
         block_row = 128 if rows >= 128 else _pow2_at_least(rows)
-        block_col = 64 if head > 64 else 128
+        block_col = 128 if head <= 128 else 64
         if dtype == "f32":
             block_row, block_col = min(block_row, 64), 32
         warps = 8 if block_row >= 128 else 4
