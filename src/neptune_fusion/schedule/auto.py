@@ -62,9 +62,13 @@ def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: 
     elif isinstance(schedule, Auto) and can_split:
         programs = math.ceil(rows / block_row) * batch
         splits = 0 if programs < num_sms and cols >= 4 * block_col else 1
-    if splits == 0:  # pick: enough programs to fill the device twice, chunks of at least 4 tiles
+    if splits == 0:
+        # memory-bound: about four programs per multiprocessor keep enough loads in flight
+        # (H200 sweep, bench/results/decode.json); each chunk at least four tiles long
+        if not interpreter:
+            block_col, warps, stages = 64, 4, 2
         programs = math.ceil(rows / block_row) * batch
-        wanted = max(1, math.ceil(2 * num_sms / programs))
+        wanted = max(1, math.ceil(4 * num_sms / programs))
         splits = max(1, min(wanted, cols // (4 * block_col), 128))
     if isinstance(schedule, (Flash, SplitK)):
         block_row = schedule.block_q or block_row
@@ -72,6 +76,5 @@ def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: 
         warps = schedule.num_warps or warps
         stages = schedule.num_stages or stages
     if splits > 1 and not interpreter and not (isinstance(schedule, (Flash, SplitK)) and schedule.block_q):
-        block_row = _pow2_at_least(rows)  if rows <= 64 else block_row
-        warps = 4
+        block_row = _pow2_at_least(rows) if rows <= 64 else block_row
     return Plan(block_row, block_col, warps, stages, splits)

@@ -352,6 +352,7 @@ class KernelBuilder:
         return self.op("unary", x.axes, "f32", (x,), op=op)
 
     def _times_log2e(self, expr: Expr, ctx: _Ctx) -> TVal:
+        expr = ctx.replace.get(expr, expr)
         if isinstance(expr, Binary) and expr.op in ("add", "sub"):
             return self.bin(expr.op, self._times_log2e(expr.a, ctx), self._times_log2e(expr.b, ctx))
         if isinstance(expr, Unary) and expr.op == "neg":
@@ -644,8 +645,12 @@ class KernelBuilder:
         op = self.loop.member(producer).reduce_op
         if op not in ("max", "min"):
             return old
-        fresh = self.bin("eq", old, self.const(REDUCER_IDENTITY[op]))
-        return self.op("where", old.axes, "f32", (fresh, new, old), prefix="old")
+        key = Running(producer, "guarded-old")
+        memo = self.scopes[-1].memo
+        if key not in memo:
+            fresh = self.bin("eq", old, self.const(REDUCER_IDENTITY[op]))
+            memo[key] = self.op("where", old.axes, "f32", (fresh, new, old), prefix="old")
+        return memo[key]
 
     def _emit_block_map_loops(self, row_tile: TVal, state: dict[str, TVal], valid: dict[str, TVal | None]) -> None:
         """Visit the tiles a run-time block map lists for this row tile: fully visible ones with no
