@@ -220,3 +220,17 @@ def test_explain_shows_every_stage():
                    "@triton.jit", "fully visible tiles"):
         assert needle in text, needle
     assert math.isfinite(len(text))
+
+
+@pytest.mark.parametrize("program", [attention, causal_attention])
+def test_tensor_descriptor_loads(monkeypatch, program):
+    """Tiles read through tensor descriptors (TMA on Hopper) give the same result, masks included."""
+    monkeypatch.setenv("NEPTUNE_FUSION_TMA", "force")
+    q, k, v = _qkv(1, 2, 70, 70, 32, torch.float16)
+    fn = nf.compile(program, schedule=nf.flash(block_q=32, block_k=16))
+    named = dict(fn.program_def.bind(q, k, v, 0.2))
+    exe = fn.executable_for(fn.program_def.trace(**named), named)
+    assert "make_tensor_descriptor" in exe.main.source
+    idx = torch.arange(70)
+    mask = idx[:, None] >= idx[None, :] if program is causal_attention else None
+    _check(fn(q, k, v, scale=0.2), _torch_attention(q, k, v, 0.2, mask=mask), torch.float16)

@@ -134,6 +134,12 @@ class _Printer:
                 other = "0.0" if out.dtype in ("f32", "f16", "bf16") else "0"
                 return f"tl.load({ptr}, mask={self.ref(a[2], out.axes)}, other={other})"
             return f"tl.load({ptr})"
+        if k == "make_desc":
+            outer, inner = at["block"]
+            return (f"tl.make_tensor_descriptor({at['buffer']}_ptr + {a[0].name}, shape=[{a[1].name}, {at['inner_size']}], "
+                    f"strides=[{a[2].name}, 1], block_shape=[{outer}, {inner}])")
+        if k == "desc_load":
+            return f"{a[0].name}.load([{a[1].name}, 0])"
         if k == "full":
             if not out.axes:
                 return f"tl.full([], {_literal(at['value'])}, {TL_DTYPES[out.dtype]})"

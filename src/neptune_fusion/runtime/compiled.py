@@ -152,6 +152,37 @@ def _choose_layout(fused: Program, sizes: dict[str, int]) -> tuple[Program, tupl
     return fused, None
 
 
+def _tma_buffers(program: Program, args: dict[str, Any], device: torch.device, interpreter: bool) -> frozenset[str]:
+    """Inputs whose tiles can be read through tensor descriptors (Hopper's copy engine): floating
+    point, last dimension contiguous, other strides and the base 16-byte aligned."""
+    setting = os.environ.get("NEPTUNE_FUSION_TMA", "auto")  # "0": never; "force": also in the interpreter
+    if setting == "0" or (interpreter and setting != "force"):
+        return frozenset()
+    if not interpreter and (device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9):
+        return frozenset()
+    out = set()
+    for buf in program.inputs:
+        t = args[buf.name]
+        if not t.is_floating_point() or t.dim() < 2 or t.stride(-1) != 1 or t.data_ptr() % 16:
+            continue
+        if all((s * t.element_size()) % 16 == 0 for s in t.stride()[:-1]):
+            out.add(buf.name)
+    if out:
+        _install_allocator()
+    return frozenset(out)
+
+
+@functools.cache
+def _install_allocator() -> None:
+    """Tensor descriptors made inside kernels need a little global scratch memory."""
+    import triton
+
+    def alloc(size: int, alignment: int, stream: Any) -> torch.Tensor:
+        return torch.empty(size, dtype=torch.int8, device="cpu" if interpreter_mode() else "cuda")
+
+    triton.set_allocator(alloc)
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -198,8 +229,9 @@ class Compiled:
         plan = choose(self.schedule, rows=sizes[roles.row], cols=sizes[roles.col], batch=batch,
                       full_sizes=full_sizes, dtype=main_dtype, num_sms=_num_sms(device), interpreter=interpreter,
                       can_split=not use_block_map)
+        tma = _tma_buffers(program, args, device, interpreter)
         key = (program.fingerprint(), tuple(sorted(dtypes.items())), tuple(sorted(full_sizes.items())), plan,
-               layout, interpreter, str(device))
+               layout, interpreter, str(device), tma)
         if key in self._cache:
             return self._cache[key]
         steps = list(_fuse_cached(program, plan.splits))
@@ -215,7 +247,7 @@ class Compiled:
                 dtypes[f"{BLOCK_MAP_PREFIX}{kind}_count"] = dtypes[f"{BLOCK_MAP_PREFIX}{kind}_index"] = "i32"
         config = LoweringConfig(dtypes, main_dtype, full_sizes, plan.block_row, plan.block_col, plan.num_warps,
                                 plan.num_stages, plan.splits, main_dtype, partial_outputs=plan.splits > 1,
-                                block_map_axes=block_axes)
+                                block_map_axes=block_axes, tma_buffers=tma)
         target = "interpreter" if interpreter else "cuda"
         name = f"nf_{program.name}"
         tile = lower(fused, config, name)

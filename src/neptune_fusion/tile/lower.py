@@ -82,6 +82,7 @@ class LoweringConfig:
     partial_outputs: bool = False  # split-K: store member states to scratch instead of outputs
     block_map_axes: tuple[str, ...] | None = None  # visit tiles from run-time lists (batch axes they depend on)
     block_epilogue: int = 128  # tile size of second passes over output-only axes
+    tma_buffers: frozenset[str] = frozenset()  # inputs whose tiles may be read through tensor descriptors
     notes: list[str] = field(default_factory=list)
 
 
@@ -172,6 +173,8 @@ class KernelBuilder:
         self.args: list[KernelArg] = []
         self.arg_index: dict[str, TVal] = {}
         self.consts: dict[tuple[str, str], TVal] = {}
+        self.descriptors: dict[tuple[object, ...], TVal] = {}
+        self.tile_start: dict[str, TVal] = {}
         self.variant_axes = {self.roles.col, BLOCK_MAP_TILE}  # indices that change inside a loop
         self.member_names = {m.name for m in self.loop.members}
         self.block = {self.roles.row: "BLOCK_R", self.roles.col: "BLOCK_C"}
@@ -381,6 +384,9 @@ class KernelBuilder:
                 raise UnsupportedProgramError("tile lowering", expr.buffer, "load", "value of a loop member is not available here")
             return self.emit(substitute_index(stage.body, dict(zip(stage.axes, expr.index))), ctx)
         scalar, tile, mask_axes = self.address(expr.buffer, expr.index)
+        tma = self._tma_load(expr, scalar, ctx)
+        if tma is not None:
+            return tma
         base = self.emit(scalar, ctx) if scalar is not None else None
         offset = self.emit(tile, ctx) if tile is not None else None
         mask: TVal | None = None
@@ -394,6 +400,35 @@ class KernelBuilder:
         args = (base or zero, offset or zero) + ((mask,) if mask is not None else ())
         axes = offset.axes if offset is not None else ()
         return self.op("load", axes, dtype, args, prefix="ld", buffer=expr.buffer)
+
+    def _tma_load(self, expr: Load, scalar: Expr | None, ctx: _Ctx) -> TVal | None:
+        """A 2-D tile read through a tensor descriptor (the copy engine), when the load is a plain
+        [tile axis, full axis] block of a buffer whose last dimension is contiguous. Out-of-range
+        rows read as zero, so no mask is needed."""
+        if expr.buffer not in self.config.tma_buffers:
+            return None
+        index = expr.index
+        tiled = [(d, i) for d, i in enumerate(index) if not (isinstance(i, Const) and i.value == 0)
+                 and {n.axis for n in walk(i) if isinstance(n, Index)} & set(self.roles.tile_axes)]
+        if len(tiled) != 2:
+            return None
+        (d_outer, outer), (d_inner, inner) = tiled
+        if not (isinstance(outer, Index) and isinstance(inner, Index) and d_inner == len(index) - 1
+                and inner.axis in self.roles.full and outer.axis in (self.roles.row, self.roles.col)
+                and outer.axis in self.tile_start):
+            return None
+        key = ("desc", expr.buffer, outer.axis, d_outer)
+        if key not in self.descriptors:
+            base = self.emit(scalar, _Ctx({}, {}, {}, {}, False)) if scalar is not None else self.const(0)
+            self.kernel_arg(f"{expr.buffer}_ptr", "pointer", f"input:{expr.buffer}", "ptr")
+            stride = self.kernel_arg(f"stride_{expr.buffer}_{d_outer}", "int", f"stride:{expr.buffer}:{d_outer}", "i32")
+            self.descriptors[key] = self.op(
+                "make_desc", (), "desc", (base, self.size(outer.axis), stride), scope=self.scopes[0], prefix="desc",
+                buffer=expr.buffer, block=(self.block[outer.axis], self.block[inner.axis]),
+                inner_size=f"SIZE_{inner.axis.upper()}")
+        start = self.tile_start[outer.axis]
+        dtype = self.config.input_dtypes[expr.buffer]
+        return self.op("desc_load", (outer.axis, inner.axis), dtype, (self.descriptors[key], start), prefix="ld")
 
     def address(self, buffer: str, index: tuple[Expr, ...]) -> tuple[Expr | None, Expr | None, set[str]]:
         """(scalar i64 offset, tile i32 offset, tile axes it depends on) of element `index` of `buffer`.
@@ -469,7 +504,7 @@ class KernelBuilder:
     def _is_plain_load(self, v: TVal) -> bool:
         for st in reversed(self.scopes[-1].stmts + self.scopes[0].stmts):
             if isinstance(st, Op) and st.out == v:
-                return st.kind == "load"
+                return st.kind in ("load", "desc_load")
         return False
 
     def _zero(self, dtype: str) -> TVal:
@@ -529,6 +564,7 @@ class KernelBuilder:
             self.bindings[axis] = self.bin("mod", rest, size)
             rest = self.bin("floordiv", rest, size)
         self.bindings[roles.row] = self.op("arange", (roles.row,), "i32", (r0,), prefix="rows", block="BLOCK_R")
+        self.tile_start[roles.row] = r0
         for axis in roles.full:
             self.bindings[axis] = self.op("arange", (axis,), "i32", (self.const(0),), prefix="offs", block=self.block[axis])
         valid: dict[str, TVal | None] = {roles.row: self.bin("lt", self.bindings[roles.row], n_rows)}
@@ -686,6 +722,7 @@ class KernelBuilder:
         var = var or TVal(self.fresh("start_"), (), "i32")
         first = start_of(var) if start_of is not None else var
         self.bindings[roles.col] = self.op("arange", (roles.col,), "i32", (first,), prefix="cols", block="BLOCK_C")
+        self.tile_start[roles.col] = first
         inner_valid = dict(valid)
         replace: dict[Expr, Expr] = {}
         if masked:
@@ -732,6 +769,7 @@ class KernelBuilder:
             body.append(Assign(state[m.name], new_state[m.name]))
         self.scopes.pop()
         del self.bindings[roles.col]
+        del self.tile_start[roles.col]
         self.body.append(Loop(var, start, stop, step, body, comment))
 
     def _emit_outputs(self, state: dict[str, TVal], valid: dict[str, TVal | None]) -> None:
