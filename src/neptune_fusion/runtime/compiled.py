@@ -36,9 +36,11 @@ from neptune_fusion.schedule.pipeline import SPLIT_AXIS, Step, combine_program, 
 from neptune_fusion.schedule.templates import Auto, Schedule
 from neptune_fusion.tile.ir import TileKernel
 from neptune_fusion.tile.lower import BLOCK_MAP_PREFIX, LoweringConfig, assign_roles, fused_loop_of, lower
+from neptune_fusion.tile.resources import shared_memory_estimate
 from neptune_fusion.transform.layout import group_divisor, pack_groups
 
 FLOAT_TORCH = (torch.float16, torch.bfloat16, torch.float32)
+SHARED_MEMORY_BUDGET = 200 * 1024  # of the H100/H200's 227 KB per block, leaving room for dot operands
 
 
 def interpreter_mode() -> bool:
@@ -251,6 +253,15 @@ class Compiled:
         target = "interpreter" if interpreter else "cuda"
         name = f"nf_{program.name}"
         tile = lower(fused, config, name)
+        while not interpreter and shared_memory_estimate(tile) > SHARED_MEMORY_BUDGET and (
+                config.num_stages > 1 or config.block_col > 16):
+            # too many pipelined tiles for shared memory: fewer stages first, then narrower tiles
+            if config.num_stages > 1:
+                config.num_stages -= 1
+            else:
+                config.block_col //= 2
+            config.notes = []
+            tile = lower(fused, config, name)
         source = generate(tile, target)
         main = KernelLaunch(tile, source, _load_kernel(source, name), fused)
         combine = None
