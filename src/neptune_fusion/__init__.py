@@ -10,6 +10,7 @@ Example:
     >>> fn = nf.compile(attention)   # then: out = fn(q, k, v, scale=0.088)
 """
 
+from neptune_fusion.integrations.attention import attention, attention_inputs, attention_program, explain_attention
 from neptune_fusion.ir.errors import FusionError, UnsupportedProgramError
 from neptune_fusion.lang.ops import (
     abs_,
@@ -27,6 +28,7 @@ from neptune_fusion.lang.ops import (
     maximum,
     min,
     minimum,
+    repeat_interleave,
     rsqrt,
     sigmoid,
     sin,
@@ -49,3 +51,4 @@ __all__ = [
     "inf", "log", "log2", "matmul", "max", "maximum", "min", "minimum", "program", "rsqrt",
     "run_reference", "sigmoid", "sin", "split_k", "sqrt", "sum", "tanh", "where",
 ]
+__all__ += ["attention", "attention_inputs", "attention_program", "explain_attention", "repeat_interleave"]

@@ -203,6 +203,10 @@ class SymTensor:
 
     def __getitem__(self, key: object) -> SymTensor:
         keys = key if isinstance(key, tuple) else (key,)
+        if any(isinstance(k, SymTensor) for k in keys):  # a gather: indices are symbolic integers
+            from neptune_fusion.lang.torch_function import gather
+
+            return gather(self, key)
         dims: list[Dim | None] = []
         source = list(self.dims)
         expr = self.expr
@@ -243,6 +247,18 @@ class SymTensor:
     def float(self) -> SymTensor:
         return cast(self, "f32")
 
+    # torch interoperability (FlexAttention-style score_mod / mask_mod) ------------
+    @classmethod
+    def __torch_function__(cls, func: object, types: object, args: tuple = (), kwargs: dict | None = None) -> object:
+        from neptune_fusion.lang.torch_function import torch_function
+
+        return torch_function(func, types, args, kwargs)
+
+    def __getattr__(self, name: str) -> object:
+        from neptune_fusion.lang.torch_function import tensor_attribute
+
+        return tensor_attribute(self, name)
+
 
 TensorLike = Union[SymTensor, Scalar]
 
@@ -272,6 +288,11 @@ def lift(value: TensorLike, tracer: object) -> SymTensor:
         return SymTensor((), Const(value), tracer, "int")
     if isinstance(value, float):
         return SymTensor((), Const(value), tracer)
+    from neptune_fusion.lang.torch_function import lift_tensor  # a torch tensor captured by the traced code
+
+    lifted = lift_tensor(value, tracer)
+    if lifted is not None:
+        return lifted
     raise TypeError(f"cannot use a value of type {type(value).__name__} in a traced program")
 
 

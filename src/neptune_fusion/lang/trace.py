@@ -177,6 +177,7 @@ def _finalize(
     all_dims: list[Dim] = []
     for _, dims, _ in tracer.inputs:
         all_dims.extend(dims)
+    all_dims.extend(getattr(tracer, "extra_dims", ()))  # dims made by views (nf.repeat_interleave)
     for d in all_dims:
         roots.setdefault(d.find().uid, d.find())
     taken: set[str] = set()
@@ -211,6 +212,11 @@ def _finalize(
         if st.name in needed:
             kept.append(st)
             needed |= st.reads()
+    for st in kept:
+        for a in st.axes:
+            if a not in axis_sizes:
+                raise ValueError(f"stage {st.name!r}: axis {a!r} is not a dimension of any input, so its size is "
+                                 "unknown (a repeat_interleave dimension must meet an input dimension of that size)")
     prog = Program(name, inputs, tuple(params), tuple(reversed(kept)), outs, axis_sizes, param_kinds)
     prog.validate()
     return prog

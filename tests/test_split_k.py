@@ -1,0 +1,169 @@
+"""Split-K (FlashDecoding) and GQA packing: kernels under the interpreter and translation validation."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import neptune_fusion as nf  # noqa: E402
+from neptune_fusion.runtime.compiled import Compiled  # noqa: E402
+from neptune_fusion.schedule.pipeline import combine_program, fuse  # noqa: E402
+from neptune_fusion.transform.layout import group_divisor, pack_groups  # noqa: E402
+
+TOL = {torch.float32: 2e-5, torch.float16: 3e-3}
+
+
+def decode_program(kind: str = "plain"):
+    @nf.program
+    def attention(q, k, v, slopes, scale):
+        group = q.shape[1] // k.shape[1]
+        k = nf.repeat_interleave(k, group, 1)
+        v = nf.repeat_interleave(v, group, 1)
+        s = nf.einsum("bhqd,bhkd->bhqk", q, k) * scale
+        if kind == "bias":
+            s = s + slopes[:, None, None] * (nf.index(s, -1) - nf.index(s, -2))
+        if kind == "softcap":
+            s = 30 * nf.tanh(s / 30)
+        p = nf.exp(s - s.max(axis=-1, keepdims=True))
+        return nf.einsum("bhqk,bhkd->bhqd", p, v) / p.sum(axis=-1, keepdims=True)
+
+    return attention
+
+
+def torch_decode(q, k, v, slopes, scale, kind):
+    g = q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)
+    s = torch.einsum("bhqd,bhkd->bhqk", q.double(), k) * scale
+    if kind == "bias":
+        rel = torch.arange(k.shape[2])[None, :] - torch.arange(q.shape[2])[:, None]
+        s = s + slopes.double()[:, None, None] * rel
+    if kind == "softcap":
+        s = 30 * torch.tanh(s / 30)
+    return torch.einsum("bhqk,bhkd->bhqd", torch.softmax(s, -1), v)
+
+
+def _inputs(hq, hkv, lq, lk, d, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, hq, lq, d, generator=g).to(dtype)
+    k = torch.randn(1, hkv, lk, d, generator=g).to(dtype)
+    v = torch.randn(1, hkv, lk, d, generator=g).to(dtype)
+    slopes = torch.rand(hq, generator=g) * 0.1
+    return q, k, v, slopes
+
+
+def _rel(out, ref):
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("ratio", [1, 2, 4, 8])
+def test_decode_gqa_ratios(dtype, ratio):
+    q, k, v, slopes = _inputs(8, 8 // ratio, 1, 300, 16, dtype, seed=ratio)
+    fn = nf.compile(decode_program(), schedule=nf.split_k(splits=4))
+    out = fn(q, k, v, slopes, 0.25)
+    assert _rel(out, torch_decode(q, k, v, slopes, 0.25, "plain")) < TOL[dtype]
+
+
+@pytest.mark.parametrize("lq", [2, 5, 8])
+def test_speculative_decoding_query_lengths(lq):
+    q, k, v, slopes = _inputs(4, 2, lq, 157, 16, torch.float32, seed=lq)
+    fn = nf.compile(decode_program(), schedule=nf.split_k(splits=3))
+    assert _rel(fn(q, k, v, slopes, 0.3), torch_decode(q, k, v, slopes, 0.3, "plain")) < 2e-5
+
+
+@pytest.mark.parametrize("kind", ["bias", "softcap"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decode_score_modifications(kind, dtype):
+    q, k, v, slopes = _inputs(4, 2, 1, 211, 32, dtype, seed=7)
+    if kind == "softcap":
+        q = q * 4
+    fn = nf.compile(decode_program(kind), schedule=nf.split_k(splits=5, block_k=32))
+    assert _rel(fn(q, k, v, slopes, 0.2), torch_decode(q, k, v, slopes, 0.2, kind)) < TOL[dtype]
+
+
+def test_auto_picks_split_k_for_decode_and_packs_groups():
+    q, k, v, slopes = _inputs(8, 2, 1, 1024, 16, torch.float32)
+    fn = nf.compile(decode_program())
+    named = dict(fn.program_def.bind(q, k, v, slopes, 0.2))
+    exe = fn.executable_for(fn.program_def.trace(**named), named)
+    assert exe.plan.splits > 1
+    assert exe.combine is not None
+    assert any("pack the 4 query heads" in s.name for s in exe.steps)
+    # K and V are read with the kv-head index only: one program serves all heads of a group
+    assert "h_kv, k, d]" in nf.explain(fn, q, k, v, slopes, 0.2)
+    assert _rel(fn(q, k, v, slopes, 0.2), torch_decode(q, k, v, slopes, 0.2, "plain")) < 2e-5
+
+
+def test_partial_state_scratch_is_reused_across_calls():
+    q, k, v, slopes = _inputs(4, 4, 1, 200, 16, torch.float32)
+    fn = nf.compile(decode_program(), schedule=nf.split_k(splits=4))
+    fn(q, k, v, slopes, 0.2)
+    scratch = [t.data_ptr() for d in fn._scratch.values() for t in d.values()]
+    fn(q, k, v, slopes, 0.2)
+    assert [t.data_ptr() for d in fn._scratch.values() for t in d.values()] == scratch
+    assert len(fn._scratch) == 1
+
+
+def test_pack_groups_translation_validation():
+    q, k, v, slopes = _inputs(8, 2, 3, 40, 16, torch.float32)
+    prog = decode_program("bias").trace(q, k, v, slopes, 0.2)
+    fused = fuse(prog)[-1].program
+    assert group_divisor(fused, "h", "k") == 4
+    packed = pack_groups(fused, "h", "q", 4)
+    args = {"q": q, "k": k, "v": v, "slopes": slopes, "scale": 0.2}
+    torch.testing.assert_close(nf.run_reference(packed, args), nf.run_reference(prog, args), rtol=1e-5, atol=1e-6)
+
+
+def test_combine_comes_from_the_algebra():
+    """A program no code names: a 2-norm scaled by the running largest magnitude."""
+
+    @nf.program
+    def stable_norm(x):
+        m = abs(x).max(axis=-1, keepdims=True)
+        return (m * nf.sqrt(((x / m) ** 2).sum(axis=-1, keepdims=True)))[..., 0]
+
+    x = torch.randn(6, 700, generator=torch.Generator().manual_seed(3)) * 1e3
+    fused = fuse(stable_norm.trace(x), splits=5)[-1].program
+    combine = combine_program(fused)
+    args = {"x": x}
+    torch.testing.assert_close(nf.run_reference(fused, args), x.norm(dim=-1), rtol=1e-5, atol=1e-3)
+    out = nf.compile(stable_norm, schedule=nf.split_k(splits=5))(x)
+    torch.testing.assert_close(out, x.norm(dim=-1), rtol=1e-5, atol=1e-3)
+    assert combine.stages[0].reduce_op == "max"
+
+
+@pytest.mark.parametrize("cols", [1000, 4099])
+def test_split_k_softmax_and_logsumexp_over_a_long_row(cols):
+    @nf.program
+    def softmax(x):
+        e = nf.exp(x - x.max(axis=-1, keepdims=True))
+        return e / e.sum(axis=-1, keepdims=True)
+
+    @nf.program
+    def logsumexp(x):
+        m = x.max(axis=-1, keepdims=True)
+        return (m + nf.log(nf.exp(x - m).sum(axis=-1, keepdims=True)))[..., 0]
+
+    x = torch.randn(2, cols, generator=torch.Generator().manual_seed(cols)) * 5
+    sm = nf.compile(softmax, schedule=nf.split_k(splits=6))
+    lse = nf.compile(logsumexp, schedule=nf.split_k(splits=6))
+    torch.testing.assert_close(sm(x), torch.softmax(x, -1), rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(lse(x), torch.logsumexp(x, -1), rtol=1e-5, atol=1e-5)
+
+
+def test_explain_shows_chunks_and_combine():
+    q, k, v, slopes = _inputs(4, 4, 1, 128, 16, torch.float16)
+    text = nf.explain(decode_program(), q, k, v, slopes, 0.2, schedule=nf.split_k(splits=4))
+    for needle in ("split_k loop over k in 4 chunks", "combine program (generated from the repair functions)",
+                   "max[split](part_max0", "exp(part_max0"):
+        assert needle in text, needle
+
+
+def test_bad_split_counts():
+    with pytest.raises(ValueError, match="splits"):
+        nf.split_k(splits=0)
+    assert isinstance(nf.compile(decode_program()), Compiled)
