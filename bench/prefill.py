@@ -36,6 +36,9 @@ def causal_attention(q, k, v, scale):
 
 OPS = {"pf_global": (attention, False), "pf_causal": (causal_attention, True)}
 CONFIGS = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 4)]
+# (config, NEPTUNE_FUSION_TMA, NEPTUNE_FUSION_WS) variants timed when not sweeping
+VARIANTS = [((128, 128, 8, 3), "auto", "0"), ((128, 128, 8, 3), "auto", "1"), ((128, 128, 8, 2), "auto", "0"),
+            ((128, 64, 8, 3), "auto", "1")]
 
 
 def reference_rows(q, k, v, scale, causal, rows):
@@ -57,11 +60,12 @@ def run_case(op: str, seq: int, sweep: bool, heads: int = 32, dim: int = 128) ->
     ref = reference_rows(q, k, v, scale, causal, rows)
     result = {"op": op, "seq": seq, "heads": heads, "dim": dim, "configs": {}}
     best = None
-    configs = [(*c, t) for c in (CONFIGS if sweep else CONFIGS[:2]) for t in ("auto", "0")]
-    for bq, bk, w, st, tma in configs:
+    configs = [(*c, t, "0") for c in CONFIGS for t in ("auto", "0")] if sweep else [(*c, t, ws) for c, t, ws in VARIANTS]
+    for bq, bk, w, st, tma, ws in configs:
         os.environ["NEPTUNE_FUSION_TMA"] = tma
+        os.environ["NEPTUNE_FUSION_WS"] = ws
         fn = nf.compile(prog, schedule=nf.flash(block_q=bq, block_k=bk, num_warps=w, num_stages=st))
-        name = f"{bq}x{bk}_w{w}_s{st}" + ("_tma" if tma == "auto" else "")
+        name = f"{bq}x{bk}_w{w}_s{st}" + ("_tma" if tma == "auto" else "") + ("_ws" if ws == "1" else "")
         try:
             out = fn(q, k, v, scale=scale)
             torch.cuda.synchronize()
@@ -76,7 +80,8 @@ def run_case(op: str, seq: int, sweep: bool, heads: int = 32, dim: int = 128) ->
     assert best is not None, f"{op} {seq}: no correct configuration"
     result["nf_config"], result["nf_us"], result["nf_rel_err"] = best[0], best[1], best[2]
     fn = best[3]
-    os.environ["NEPTUNE_FUSION_TMA"] = "auto" if best[0].endswith("_tma") else "0"
+    os.environ["NEPTUNE_FUSION_TMA"] = "auto" if "_tma" in best[0] else "0"
+    os.environ["NEPTUNE_FUSION_WS"] = "1" if best[0].endswith("_ws") else "0"
     # peak extra memory of one call: everything allocated beyond inputs and the output
     out = fn(q, k, v, scale=scale)
     torch.cuda.synchronize()
@@ -112,6 +117,7 @@ def run_case(op: str, seq: int, sweep: bool, heads: int = 32, dim: int = 128) ->
         base["flex"] = None
     result["baselines_us"] = base
     os.environ["NEPTUNE_FUSION_TMA"] = "auto"
+    os.environ["NEPTUNE_FUSION_WS"] = "0"
     result["speedup_vs"] = {b: (t / result["nf_us"] if t else None) for b, t in base.items()}
     flops = 4 * heads * seq * seq * dim * (0.5 if causal else 1.0)
     result["nf_tflops"] = flops / (result["nf_us"] * 1e-6) / 1e12

@@ -233,7 +233,7 @@ class Compiled:
                       can_split=not use_block_map)
         tma = _tma_buffers(program, args, device, interpreter)
         key = (program.fingerprint(), tuple(sorted(dtypes.items())), tuple(sorted(full_sizes.items())), plan,
-               layout, interpreter, str(device), tma)
+               layout, interpreter, str(device), tma, os.environ.get("NEPTUNE_FUSION_WS", "0"))
         if key in self._cache:
             return self._cache[key]
         steps = list(_fuse_cached(program, plan.splits))
@@ -249,7 +249,8 @@ class Compiled:
                 dtypes[f"{BLOCK_MAP_PREFIX}{kind}_count"] = dtypes[f"{BLOCK_MAP_PREFIX}{kind}_index"] = "i32"
         config = LoweringConfig(dtypes, main_dtype, full_sizes, plan.block_row, plan.block_col, plan.num_warps,
                                 plan.num_stages, plan.splits, main_dtype, partial_outputs=plan.splits > 1,
-                                block_map_axes=block_axes, tma_buffers=tma)
+                                block_map_axes=block_axes, tma_buffers=tma,
+                                warp_specialize=os.environ.get("NEPTUNE_FUSION_WS", "0") == "1" and not interpreter)
         target = "interpreter" if interpreter else "cuda"
         name = f"nf_{program.name}"
         tile = lower(fused, config, name)

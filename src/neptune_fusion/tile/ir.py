@@ -66,6 +66,7 @@ class Loop:
     step: str  # a constexpr name or literal
     body: list[Stmt]
     comment: str = ""
+    warp_specialize: bool = False
 
 
 Stmt = Union[Op, Store, Assign, Loop]

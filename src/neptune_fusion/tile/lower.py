@@ -83,6 +83,7 @@ class LoweringConfig:
     block_map_axes: tuple[str, ...] | None = None  # visit tiles from run-time lists (batch axes they depend on)
     block_epilogue: int = 128  # tile size of second passes over output-only axes
     tma_buffers: frozenset[str] = frozenset()  # inputs whose tiles may be read through tensor descriptors
+    warp_specialize: bool = False  # ask Triton to split the loop into producer / consumer warps
     notes: list[str] = field(default_factory=list)
 
 
@@ -770,7 +771,7 @@ class KernelBuilder:
         self.scopes.pop()
         del self.bindings[roles.col]
         del self.tile_start[roles.col]
-        self.body.append(Loop(var, start, stop, step, body, comment))
+        self.body.append(Loop(var, start, stop, step, body, comment, self.config.warp_specialize and not masked))
 
     def _emit_outputs(self, state: dict[str, TVal], valid: dict[str, TVal | None]) -> None:
         scope = _Scope(self.body)

@@ -1,0 +1,65 @@
+"""Host-side cost of one call (decode-sized problem): where the microseconds go.
+
+    python bench/overhead.py
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import math
+import pstats
+import time
+
+import torch
+import torch.nn.functional as F
+
+import neptune_fusion as nf
+from bench.common import environment, write_results
+
+
+@nf.program
+def attention(q, k, v, scale):
+    s = nf.einsum("bhqd,bhkd->bhqk", q, k) * scale
+    p = nf.exp(s - s.max(axis=-1, keepdims=True))
+    return nf.einsum("bhqk,bhkd->bhqd", p, v) / p.sum(axis=-1, keepdims=True)
+
+
+def host_us(fn, n=300):
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / n * 1e6
+
+
+def main() -> None:
+    q = torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(1, 32, 1024, 128, device="cuda", dtype=torch.float16) for _ in range(2))
+    scale = 1 / math.sqrt(128)
+    fn = nf.compile(attention)
+    out = {}
+    out["nf_call_host_us"] = host_us(lambda: fn(q, k, v, scale))
+    out["sdpa_call_host_us"] = host_us(lambda: F.scaled_dot_product_attention(q, k, v, scale=scale))
+    out["torch_empty_host_us"] = host_us(lambda: torch.empty(1, 32, 1, 128, device="cuda", dtype=torch.float16))
+    out["current_stream_host_us"] = host_us(lambda: torch.cuda.current_stream().cuda_stream)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(300):
+        fn(q, k, v, scale)
+    prof.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(18)
+    out["profile"] = text.getvalue()
+    for key, value in out.items():
+        print(key, value if isinstance(value, str) else f"{value:.1f}")
+    write_results("overhead", {"environment": environment(), **out})
+
+
+if __name__ == "__main__":
+    main()
