@@ -17,6 +17,11 @@ from typing import Any, Callable
 import torch
 import triton
 
+# many shapes and mods are compiled in one process: let FlexAttention recompile for each instead of
+# silently falling back to eager after the default limit of 8
+torch._dynamo.config.recompile_limit = 256
+torch._dynamo.config.accumulated_recompile_limit = 4096
+
 
 def environment() -> dict[str, Any]:
     props = torch.cuda.get_device_properties(0)
