@@ -56,6 +56,27 @@ def main() -> None:
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(18)
     out["profile"] = text.getvalue()
+    # where the GPU time of a grouped-query decode call goes (kernel by kernel)
+    qg = torch.randn(1, 64, 1, 128, device="cuda", dtype=torch.float16)
+    kg, vg = (torch.randn(1, 8, 16384, 128, device="cuda", dtype=torch.float16) for _ in range(2))
+
+    @nf.program
+    def gqa(q, k, v, scale):
+        k = nf.repeat_interleave(k, 8, 1)
+        v = nf.repeat_interleave(v, 8, 1)
+        s = nf.einsum("bhqd,bhkd->bhqk", q, k) * scale
+        p = nf.exp(s - s.max(axis=-1, keepdims=True))
+        return nf.einsum("bhqk,bhkd->bhqd", p, v) / p.sum(axis=-1, keepdims=True)
+
+    gfn = nf.compile(gqa)
+    for _ in range(5):
+        gfn(qg, kg, vg, scale)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof_gpu:
+        for _ in range(20):
+            gfn(qg, kg, vg, scale)
+        torch.cuda.synchronize()
+    out["gqa_decode_kernels"] = prof_gpu.key_averages().table(sort_by="cuda_time_total", row_limit=8)
     for key, value in out.items():
         print(key, value if isinstance(value, str) else f"{value:.1f}")
     write_results("overhead", {"environment": environment(), **out})

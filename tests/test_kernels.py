@@ -234,3 +234,16 @@ def test_tensor_descriptor_loads(monkeypatch, program):
     idx = torch.arange(70)
     mask = idx[:, None] >= idx[None, :] if program is causal_attention else None
     _check(fn(q, k, v, scale=0.2), _torch_attention(q, k, v, 0.2, mask=mask), torch.float16)
+
+
+def test_positive_scale_specialisation_keeps_negative_scales_correct():
+    """Kernels take max(s) * scale for a positive scale; a negative scale gets its own kernel."""
+    q, k, v = _qkv(1, 2, 40, 60, 16, torch.float32)
+    fn = nf.compile(causal_attention)
+    idx = torch.arange(60)
+    mask = idx[None, :40].T >= idx[None, :]
+    for scale in (0.3, -0.3, 0.2):
+        _check(fn(q, k, v, scale=scale), _torch_attention(q, k, v, scale, mask=mask[:40]), torch.float32)
+    assert len(fn._cache) == 2
+    named = dict(fn.program_def.bind(q, k, v, 0.3))
+    assert "tl.max(dot" in fn.executable_for(fn.program_def.trace(**named), named).main.source

@@ -232,8 +232,9 @@ class Compiled:
                       full_sizes=full_sizes, dtype=main_dtype, num_sms=_num_sms(device), interpreter=interpreter,
                       can_split=not use_block_map)
         tma = _tma_buffers(program, args, device, interpreter)
+        positive = frozenset(p for p in program.params if isinstance(args[p], float) and args[p] > 0)
         key = (program.fingerprint(), tuple(sorted(dtypes.items())), tuple(sorted(full_sizes.items())), plan,
-               layout, interpreter, str(device), tma, os.environ.get("NEPTUNE_FUSION_WS", "0"))
+               layout, interpreter, str(device), tma, os.environ.get("NEPTUNE_FUSION_WS", "0"), positive)
         if key in self._cache:
             return self._cache[key]
         steps = list(_fuse_cached(program, plan.splits))
@@ -249,7 +250,7 @@ class Compiled:
                 dtypes[f"{BLOCK_MAP_PREFIX}{kind}_count"] = dtypes[f"{BLOCK_MAP_PREFIX}{kind}_index"] = "i32"
         config = LoweringConfig(dtypes, main_dtype, full_sizes, plan.block_row, plan.block_col, plan.num_warps,
                                 plan.num_stages, plan.splits, main_dtype, partial_outputs=plan.splits > 1,
-                                block_map_axes=block_axes, tma_buffers=tma,
+                                block_map_axes=block_axes, tma_buffers=tma, positive_params=positive,
                                 warp_specialize=os.environ.get("NEPTUNE_FUSION_WS", "0") == "1" and not interpreter)
         target = "interpreter" if interpreter else "cuda"
         name = f"nf_{program.name}"
@@ -459,6 +460,8 @@ def _arg_key(value: Any) -> Any:
         return (value.shape, value.dtype, value.device, value.stride(), value.data_ptr() % 16 == 0)
     if isinstance(value, int) and not isinstance(value, bool):
         return (int, value == 1, value % 16 == 0)
+    if isinstance(value, float):
+        return (float, value > 0)  # kernels are specialised on positive scale factors
     return type(value)
 
 

@@ -84,6 +84,7 @@ class LoweringConfig:
     block_epilogue: int = 128  # tile size of second passes over output-only axes
     tma_buffers: frozenset[str] = frozenset()  # inputs whose tiles may be read through tensor descriptors
     warp_specialize: bool = False  # ask Triton to split the loop into producer / consumer warps
+    positive_params: frozenset[str] = frozenset()  # float parameters whose value is > 0 (specialised on)
     notes: list[str] = field(default_factory=list)
 
 
@@ -467,6 +468,19 @@ class KernelBuilder:
             return self._factors(expr.a) + self._factors(expr.b)
         return [expr]
 
+    def _positive_factor(self, expr: Expr) -> tuple[Expr, Expr] | None:
+        """(x, p) if expr is x * p (or where(c, x * p, +-inf)) with p a parameter known positive."""
+        if isinstance(expr, Binary) and expr.op == "mul":
+            for x, p in ((expr.a, expr.b), (expr.b, expr.a)):
+                if isinstance(p, Param) and p.name in self.config.positive_params:
+                    return x, p
+        if (isinstance(expr, Where) and isinstance(expr.b, Const) and isinstance(expr.b.value, float)
+                and math.isinf(expr.b.value)):
+            inner = self._positive_factor(expr.a)
+            if inner is not None:
+                return Where(expr.cond, inner[0], expr.b), inner[1]
+        return None
+
     def contraction(self, expr: Reduce, ctx: _Ctx) -> tuple[TVal, TVal] | None:
         """(A, B) operands if `expr` is sum over a tile axis of a product that maps to a dot."""
         if expr.op != "sum" or expr.axis not in self.roles.tile_axes:
@@ -527,6 +541,11 @@ class KernelBuilder:
         operands = self.contraction(expr, ctx)
         if operands is not None:
             return self.dot(operands[0], operands[1], expr.axis)
+        pulled = self._positive_factor(ctx.replace.get(expr.body, expr.body)) if expr.op in ("max", "min") else None
+        if pulled is not None:
+            # max_j(x * p) = max_j(x) * p for p > 0: one multiply per row instead of per element
+            inner, factor = pulled
+            return self.bin("mul", self.emit(Reduce(expr.op, expr.axis, inner), ctx), self.emit(factor, ctx))
         body = self.emit(expr.body, ctx)
         if body.dtype not in FLOAT_DTYPES:
             body = self.to(body, "f32")
