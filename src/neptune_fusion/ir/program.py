@@ -110,6 +110,7 @@ class Program:
     axis_sizes: dict[str, tuple[str, int]] = field(default_factory=dict)
     param_kinds: dict[str, str] = field(default_factory=dict)
     derived_axes: dict[str, tuple[str, object, object]] = field(default_factory=dict)
+    _fingerprint: str | None = field(default=None, init=False, repr=False, compare=False)
 
     def stage(self, name: str) -> Stage:
         for node in self.stages:
@@ -148,12 +149,15 @@ class Program:
         return replace(self, stages=tuple(stages))
 
     def fingerprint(self) -> str:
-        """A stable hash of the program's structure (used as the cache key)."""
+        """A stable hash of the program's structure (used as the cache key; computed once)."""
         from neptune_fusion.ir.printer import format_program
 
+        if self._fingerprint is not None:
+            return self._fingerprint
         text = format_program(self) + repr(self.axis_sizes) + repr(self.inputs) + repr(self.derived_axes)
         text += repr([(o.dims, o.view) for o in self.outputs])
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+        self._fingerprint = hashlib.sha256(text.encode()).hexdigest()[:16]
+        return self._fingerprint
 
     def validate(self) -> None:
         """Check names resolve and stages come after what they read."""

@@ -46,15 +46,27 @@ def block_map_axes(masks: MaskInfo, roles: AxisRoles) -> tuple[str, ...]:
     return tuple(a for a in roles.batch if a in axes)
 
 
+_CONDITIONS: dict[tuple[str, int], tuple[Expr, tuple[str, ...], tuple[str, ...]]] = {}
+
+
+def _condition(program: Program, masks: MaskInfo) -> tuple[Expr, tuple[str, ...], tuple[str, ...]]:
+    """The visibility condition, the buffers and the parameters it reads (cached: this runs per call)."""
+    key = (program.fingerprint(), id(masks))
+    if key not in _CONDITIONS:
+        cond = visibility(masks)
+        names = {getattr(x, "name", None) for x in walk(cond)}
+        _CONDITIONS[key] = (cond, tuple(sorted(loads_of(cond))), tuple(p for p in program.params if p in names))
+    return _CONDITIONS[key]
+
+
 def block_map(program: Program, masks: MaskInfo, roles: AxisRoles, sizes: dict[str, int], args: dict[str, Any],
               block_row: int, block_col: int) -> dict[str, torch.Tensor]:
     """Tile lists for the kernel: counts and indices of full and partial column tiles per row tile."""
     global builds
-    cond = visibility(masks)
-    reads = sorted(loads_of(cond))
+    cond, reads, params = _condition(program, masks)
     key = (program.fingerprint(), tuple(sorted(sizes.items())), block_row, block_col,
            tuple((n, args[n].data_ptr(), args[n]._version, tuple(args[n].shape)) for n in reads),
-           tuple((p, args[p]) for p in program.params if any(getattr(x, "name", None) == p for x in walk(cond))))
+           tuple((p, args[p]) for p in params))
     if key in _CACHE:
         _CACHE.move_to_end(key)
         return _CACHE[key]

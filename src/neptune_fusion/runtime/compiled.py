@@ -179,8 +179,15 @@ def _install_allocator() -> None:
     """Tensor descriptors made inside kernels need a little global scratch memory."""
     import triton
 
+    cache: dict[tuple[Any, int], torch.Tensor] = {}
+
     def alloc(size: int, alignment: int, stream: Any) -> torch.Tensor:
-        return torch.empty(size, dtype=torch.int8, device="cpu" if interpreter_mode() else "cuda")
+        # descriptors live only while their kernel runs, and kernels of one stream run in order:
+        # one buffer per stream and size is enough (allocating per launch costs microseconds)
+        key = (stream, size)
+        if key not in cache:
+            cache[key] = torch.empty(size, dtype=torch.int8, device="cpu" if interpreter_mode() else "cuda")
+        return cache[key]
 
     triton.set_allocator(alloc)
 
@@ -366,8 +373,10 @@ class Compiled:
         """How to build each kernel argument from the call's values (resolved once per shape)."""
         tile = launch.tile
         getters: list[Callable[[list[Any], dict[str, torch.Tensor]], Any]] = []
+        dynamic: list[bool] = []
         for arg in tile.args:
             kind, _, rest = arg.source.partition(":")
+            dynamic.append(kind in ("input", "param", "output") and rest not in scratch)
             if kind in ("input", "param") and rest in position:
                 getters.append(lambda v, o, i=position[rest]: v[i])
             elif kind in ("input", "scratch") and rest in scratch:
@@ -397,7 +406,7 @@ class Compiled:
         env.update(tile.constexprs)
         env["cdiv"] = lambda a, b: -(-a // b)
         grid = tuple(int(eval(g, {"__builtins__": {}}, env)) for g in tile.grid)  # noqa: S307 - our own expressions
-        return launch.fn, grid, getters, dict(tile.constexprs), tile.num_warps, tile.num_stages
+        return launch.fn, grid, getters, dict(tile.constexprs), tile.num_warps, tile.num_stages, dynamic
 
     def _scratch_for(self, loop: FusedLoop, sizes: dict[str, int], splits: int,
                      device: torch.device) -> dict[str, torch.Tensor]:
@@ -416,29 +425,34 @@ class _FastLaunch:
 
     Triton's `kernel[grid](...)` re-binds and re-specialises every argument on each call (tens of
     microseconds of Python). The launcher key (`_arg_key`) already fixes everything the
-    specialisation depends on, so later calls reuse the compiled kernel directly.
+    specialisation depends on, so later calls reuse the compiled kernel directly, and only the
+    arguments that change between calls (tensors) are looked up; sizes, strides, scratch buffers
+    and constexprs are fixed.
     """
 
     def __init__(self, fn: Any, grid: tuple[int, ...], getters: list[Callable[..., Any]],
-                 constexprs: dict[str, int], warps: int, stages: int) -> None:
+                 constexprs: dict[str, int], warps: int, stages: int, dynamic: list[bool]) -> None:
         self.fn, self.getters, self.constexprs = fn, getters, constexprs
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.warps, self.stages = warps, stages
         self.kernel: Any = None
-        self.tail = list(constexprs.values())
+        self.static = [None if d else g([], {}) for g, d in zip(getters, dynamic)] + list(constexprs.values())
+        self.dynamic = [(i, g) for i, (g, d) in enumerate(zip(getters, dynamic)) if d]
 
     def __call__(self, values: list[Any], outputs: dict[str, torch.Tensor]) -> None:
-        args = [g(values, outputs) for g in self.getters]
         if self.kernel is None:
+            args = [g(values, outputs) for g in self.getters]
             kernel = self.fn[self.grid](*args, **self.constexprs, num_warps=self.warps, num_stages=self.stages)
             if not interpreter_mode() and hasattr(kernel, "run") and hasattr(kernel, "packed_metadata"):
                 self.kernel = kernel
                 self.device = torch.cuda.current_device()
             return
         k = self.kernel
+        full = self.static.copy()
+        for i, g in self.dynamic:
+            full[i] = g(values, outputs)
         # the raw stream handle, as Triton's own launcher gets it (torch.cuda.current_stream() costs ~7 us)
         stream = torch._C._cuda_getCurrentRawStream(self.device)
-        full = args + self.tail
         hooks = _knobs().runtime
         enter = hooks.launch_enter_hook
         meta = None if enter is None else k.launch_metadata(self.grid, stream, *full)
