@@ -155,3 +155,45 @@ def repair_finite_from_identity(h: Expr, producer: str, identity: float) -> bool
     value = sym.subs(S.symbol("t"), 1)
     value = sp.limit(value, old, -sp.oo if identity < 0 else sp.oo)
     return bool(value.is_finite)
+
+
+@dataclass(frozen=True)
+class PolynomialSplit:
+    """g = sum_k monomial_k(r) * coefficient_k(c): `terms` pairs (monomial over Running(p, "new"), coefficient)."""
+
+    terms: tuple[tuple[Expr, Expr], ...]
+
+
+def polynomial_split(g: Expr, producers: tuple[str, ...], max_degree: int = 4) -> PolynomialSplit | None:
+    """Split a map that is a polynomial in the running values into basis terms (Welford-style).
+
+    `sum_j (x_j - r)^2 = sum_j x_j^2 - 2 r sum_j x_j + r^2 sum_j 1`: each coefficient is a
+    reduction that no longer depends on r, and the result is recombined with the final r.
+    Returns None when g is not such a polynomial.
+
+    Example:
+        >>> from neptune_fusion.ir.expr import Index, Load
+        >>> x, m = Load("x", (Index("j"),)), Load("m", ())
+        >>> len(polynomial_split((x - m) * (x - m), ("m",)).terms)
+        3
+    """
+    import sympy as sp
+
+    try:
+        sym, table = S.to_sympy(g, set(producers))
+    except S.NotAlgebraic:
+        return None
+    rs = [table.old(p) for p in producers]
+    try:
+        poly = sp.Poly(sp.expand(sym), *rs)
+    except sp.PolynomialError:
+        return None
+    if poly.total_degree() > max_degree or poly.total_degree() < 1:
+        return None
+    terms = []
+    for powers, coeff in poly.terms():
+        if coeff.free_symbols & set(rs):
+            return None
+        monomial = sp.Mul(*(r**k for r, k in zip(rs, powers)))
+        terms.append((S.from_sympy(monomial, table), S.from_sympy(coeff, table)))
+    return PolynomialSplit(tuple(terms))

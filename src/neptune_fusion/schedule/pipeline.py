@@ -27,6 +27,7 @@ from neptune_fusion.ir.expr import (
 from neptune_fusion.ir.program import FusedLoop, InputBuffer, OutputSpec, Program, Stage
 from neptune_fusion.transform.inline import inline_along, inline_elementwise, inline_stages
 from neptune_fusion.transform.normalize import hoist_invariant_factors
+from neptune_fusion.transform.polynomial import expand_polynomial_reductions
 from neptune_fusion.transform.rolling import rolling_update
 from neptune_fusion.transform.split_k import split_k_update
 
@@ -53,6 +54,10 @@ def fuse(program: Program, splits: int = 1) -> list[Step]:
     outputs = {o.stage for o in p.outputs}
     p = inline_stages(p, lambda st: st.name not in members and st.name not in outputs)
     steps.append(Step("inline everything else into the loop and the outputs", p))
+    expanded = expand_polynomial_reductions(p, axis)
+    if expanded is not p:
+        p = expanded
+        steps.append(Step("expand sums polynomial in running values into basis sums (Welford-style)", p))
     p = rolling_update(p, axis)
     steps.append(Step(f"rolling update along {axis!r} (derived repair terms)", p))
     if splits > 1:

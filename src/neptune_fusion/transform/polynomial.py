@@ -1,0 +1,72 @@
+"""Polynomial expansion of reductions (Program -> Program): Welford-style basis accumulators.
+
+A sum whose map is a polynomial in earlier reductions along the same axis has no repair
+of the `+`/`*` form (`(x - mean)^2`), but it expands into basis sums that do not depend on
+them at all: `sum_j (x_j - m)^2 = sum_j x_j^2 - 2 m sum_j x_j + m^2 sum_j 1`. The basis
+sums join the fused loop; the combination with the final `m` happens after it. This makes
+variance, LayerNorm statistics and LayerNorm-then-matmul chains fusable in one pass.
+
+Example:
+    >>> # expand_polynomial_reductions(program, "j") rewrites var = sum_j (x - mean)^2
+"""
+
+from __future__ import annotations
+
+from neptune_fusion.algebra.repair import derive_repair, polynomial_split
+from neptune_fusion.ir.errors import FusionError
+from neptune_fusion.ir.expr import Binary, Expr, Index, Load, Reduce, Running, simplify, transform_bottom_up
+from neptune_fusion.ir.program import Node, Program, Stage
+
+
+def expand_polynomial_reductions(program: Program, axis: str) -> Program:
+    """Replace sums along `axis` whose map is a polynomial in other sums' values by basis sums."""
+    members = {st.name: st for st in program.stages
+               if isinstance(st, Stage) and isinstance(st.body, Reduce) and st.body.axis == axis}
+    stages: list[Node] = []
+    changed = False
+    for node in program.stages:
+        if not (isinstance(node, Stage) and node.name in members and node.body.op == "sum"):  # type: ignore[union-attr]
+            stages.append(node)
+            continue
+        body = node.body
+        assert isinstance(body, Reduce)
+        producers = tuple(sorted(members.keys() & node.reads()))
+        if not producers or _has_repair(node, axis, producers):
+            stages.append(node)
+            continue
+        split = polynomial_split(body.body, producers)
+        if split is None:
+            stages.append(node)
+            continue
+        changed = True
+        combined: Expr | None = None
+        for k, (monomial, coefficient) in enumerate(split.terms):
+            basis = f"{node.name}_p{k}"
+            stages.append(Stage(basis, node.axes, Reduce("sum", axis, coefficient)))
+            term = Binary("mul", _running_as_loads(monomial, members), Load(basis, tuple(Index(a) for a in node.axes)))
+            combined = term if combined is None else Binary("add", combined, term)
+        assert combined is not None
+        stages.append(Stage(node.name, node.axes, simplify(combined)))
+    if not changed:
+        return program
+    out = program.with_stages(stages)
+    out.validate()
+    return out
+
+
+def _has_repair(stage: Stage, axis: str, producers: tuple[str, ...]) -> bool:
+    assert isinstance(stage.body, Reduce)
+    try:
+        derive_repair(stage.name, stage.body.op, axis, stage.body.body, producers)
+    except FusionError:
+        return False
+    return True
+
+
+def _running_as_loads(expr: Expr, members: dict[str, Stage]) -> Expr:
+    def rule(node: Expr) -> Expr | None:
+        if isinstance(node, Running):
+            return Load(node.stage, tuple(Index(a) for a in members[node.stage].axes))
+        return None
+
+    return transform_bottom_up(expr, rule)

@@ -1,0 +1,148 @@
+"""Programs beyond attention, compiled end to end under the interpreter and checked against torch.
+
+None of these is special-cased anywhere: each goes through the same analysis, algebra,
+transforms and code generation as attention.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import neptune_fusion as nf  # noqa: E402
+from neptune_fusion.schedule.pipeline import fuse  # noqa: E402
+from neptune_fusion.transform.inline import inline_elementwise  # noqa: E402
+from neptune_fusion.transform.normalize import hoist_invariant_factors  # noqa: E402
+from neptune_fusion.transform.polynomial import expand_polynomial_reductions  # noqa: E402
+
+G = torch.Generator().manual_seed(11)
+
+
+def randn(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=G)
+
+
+@nf.program
+def cross_entropy(logits, target):
+    m = logits.max(axis=-1, keepdims=True)
+    lse = (m + nf.log(nf.exp(logits - m).sum(axis=-1, keepdims=True)))[..., 0]
+    return lse - logits[nf.index(lse, 0), target]
+
+
+@nf.program
+def softmax_dim0(x):
+    e = nf.exp(x - x.max(axis=0, keepdims=True))
+    return e / e.sum(axis=0, keepdims=True)
+
+
+@nf.program
+def softmin_weighted(x, v):
+    e = nf.exp(x.min(axis=-1, keepdims=True) - x)
+    return (e * v).sum(axis=-1) / e.sum(axis=-1)
+
+
+@nf.program
+def attention_with_lse(q, k, v, scale):
+    s = nf.einsum("bhqd,bhkd->bhqk", q, k) * scale
+    m = s.max(axis=-1, keepdims=True)
+    p = nf.exp(s - m)
+    l = p.sum(axis=-1, keepdims=True)  # noqa: E741
+    return nf.einsum("bhqk,bhkd->bhqd", p, v) / l, (m + nf.log(l))[..., 0]
+
+
+@nf.program
+def sigmoid_attention(q, k, v):
+    s = nf.sigmoid(nf.einsum("bhqd,bhkd->bhqk", q, k))
+    return nf.einsum("bhqk,bhkd->bhqd", s, v) / s.sum(axis=-1, keepdims=True)
+
+
+@nf.program
+def variance(x):
+    mean = x.sum(axis=-1, keepdims=True) / x.shape[-1]
+    return ((x - mean) * (x - mean)).sum(axis=-1) / x.shape[-1]
+
+
+@nf.program
+def layernorm_matmul(x, w, eps):
+    n = x.shape[-1]
+    mean = x.sum(axis=-1, keepdims=True) / n
+    var = ((x - mean) * (x - mean)).sum(axis=-1, keepdims=True) / n
+    return nf.einsum("rj,je->re", (x - mean) * nf.rsqrt(var + eps), w)
+
+
+@nf.program
+def temperature_softmax_exp2(x, bias, temp):
+    y = (x + bias) / temp
+    e = nf.exp2(y - y.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def test_cross_entropy_with_gathered_target():
+    x, t = randn(37, 300), torch.randint(0, 300, (37,), generator=G)
+    torch.testing.assert_close(nf.compile(cross_entropy)(x, t), torch.nn.functional.cross_entropy(x, t, reduction="none"),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_softmax_over_the_first_axis():
+    x = randn(100, 23)
+    torch.testing.assert_close(nf.compile(softmax_dim0)(x), torch.softmax(x, 0))
+
+
+def test_softmin_weighted_sum():
+    x, v = randn(20, 90), randn(20, 90)
+    torch.testing.assert_close(nf.compile(softmin_weighted)(x, v), (torch.softmax(-x, -1) * v).sum(-1))
+
+
+def test_attention_on_strided_inputs():
+    q, k, v = (randn(2, n, 3, 16).transpose(1, 2) for n in (50, 70, 70))
+    out = nf.compile(attention_with_lse)(q, k, v, 0.3)[0]
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.3))
+
+
+def test_two_outputs_attention_and_logsumexp():
+    q, k, v = randn(1, 2, 40, 16), randn(1, 2, 40, 16), randn(1, 2, 40, 16)
+    out, lse = nf.compile(attention_with_lse)(q, k, v, 0.3)
+    s = q @ k.mT * 0.3
+    torch.testing.assert_close(lse, torch.logsumexp(s, -1))
+    torch.testing.assert_close(out, torch.softmax(s, -1) @ v)
+
+
+def test_sigmoid_attention_needs_no_repair():
+    q, k, v = randn(1, 2, 40, 16), randn(1, 2, 48, 16), randn(1, 2, 48, 16)
+    s = torch.sigmoid(q @ k.mT)
+    torch.testing.assert_close(nf.compile(sigmoid_attention)(q, k, v), (s @ v) / s.sum(-1, keepdim=True))
+
+
+@pytest.mark.parametrize("schedule", [None, nf.split_k(splits=3)])
+def test_variance_fuses_into_one_pass(schedule):
+    x = randn(8, 250) * 3 + 2
+    torch.testing.assert_close(nf.compile(variance, schedule=schedule)(x), x.var(-1, unbiased=False),
+                               rtol=1e-4, atol=1e-4)
+    names = [s.name for s in fuse(variance.trace(x))]
+    assert any("Welford" in n for n in names)
+
+
+@pytest.mark.parametrize("schedule", [None, nf.split_k(splits=2)])
+def test_layernorm_then_matmul_in_one_pass(schedule):
+    x, w = randn(40, 300) * 2 + 1, randn(300, 32)
+    out = nf.compile(layernorm_matmul, schedule=schedule)(x, w, 1e-5)
+    torch.testing.assert_close(out, torch.nn.functional.layer_norm(x, (300,), eps=1e-5) @ w, rtol=1e-4, atol=1e-4)
+
+
+def test_temperature_softmax_with_exp2_and_bias():
+    x, b = randn(5, 77), randn(77)
+    expected = torch.softmax((x + b) / 0.7 * torch.log(torch.tensor(2.0)), -1)
+    torch.testing.assert_close(nf.compile(temperature_softmax_exp2)(x, b, 0.7), expected)
+
+
+def test_polynomial_expansion_translation_validation():
+    x = randn(6, 40)
+    prog = hoist_invariant_factors(inline_elementwise(variance.trace(x)))
+    expanded = expand_polynomial_reductions(prog, "a1")
+    assert expanded is not prog
+    torch.testing.assert_close(nf.run_reference(expanded, {"x": x}), nf.run_reference(prog, {"x": x}),
+                               rtol=1e-5, atol=1e-5)
