@@ -91,7 +91,8 @@ def test_auto_picks_split_k_for_decode_and_packs_groups():
     named = dict(fn.program_def.bind(q, k, v, slopes, 0.2))
     exe = fn.executable_for(fn.program_def.trace(**named), named)
     assert exe.plan.splits > 1
-    assert exe.combine is not None
+    assert exe.combine_tile is not None
+    assert "tl.atomic_add(counter_ptr" in exe.main.source  # the last split program combines
     assert any("pack the 4 query heads" in s.name for s in exe.steps)
     # K and V are read with the kv-head index only: one program serves all heads of a group
     assert "h_kv, k, d]" in nf.explain(fn, q, k, v, slopes, 0.2)
@@ -167,3 +168,19 @@ def test_bad_split_counts():
     with pytest.raises(ValueError, match="splits"):
         nf.split_k(splits=0)
     assert isinstance(nf.compile(decode_program()), Compiled)
+
+
+@pytest.mark.parametrize("fused", ["1", "0"])
+def test_combine_in_the_main_kernel_or_its_own_launch(monkeypatch, fused):
+    """The last program of a row tile runs the combine (one launch); counters reset for the next call."""
+    monkeypatch.setenv("NEPTUNE_FUSION_FUSED_COMBINE", fused)
+    q, k, v, slopes = _inputs(4, 2, 1, 333, 16, torch.float32, seed=5)
+    fn = nf.compile(decode_program(), schedule=nf.split_k(splits=5))
+    expected = torch_decode(q, k, v, slopes, 0.2, "plain")
+    for _ in range(3):
+        assert _rel(fn(q, k, v, slopes, 0.2), expected) < 2e-5
+    named = dict(fn.program_def.bind(q, k, v, slopes, 0.2))
+    exe = fn.executable_for(fn.program_def.trace(**named), named)
+    assert (exe.combine is None) == (fused == "1")
+    counters = [d["__split_counter__"] for d in fn._scratch.values()]
+    assert all(int(c.abs().sum()) == 0 for c in counters)

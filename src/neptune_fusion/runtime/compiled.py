@@ -35,7 +35,7 @@ from neptune_fusion.schedule.auto import Plan, choose
 from neptune_fusion.schedule.pipeline import SPLIT_AXIS, Step, combine_program, fuse
 from neptune_fusion.schedule.templates import Auto, Schedule
 from neptune_fusion.tile.ir import TileKernel
-from neptune_fusion.tile.lower import BLOCK_MAP_PREFIX, LoweringConfig, assign_roles, fused_loop_of, lower
+from neptune_fusion.tile.lower import BLOCK_MAP_PREFIX, COUNTER, LoweringConfig, assign_roles, fused_loop_of, lower
 from neptune_fusion.tile.resources import shared_memory_estimate
 from neptune_fusion.transform.layout import group_divisor, pack_groups
 
@@ -92,6 +92,7 @@ class Executable:
     combine: KernelLaunch | None
     combine_steps: list[Step] = field(default_factory=list)
     masks: MaskInfo | None = None  # set when tiles are visited from a run-time block map
+    combine_tile: TileKernel | None = None  # split-K combine (its own launch, or called by the main kernel)
 
 
 def _check_tensors(program: Program, args: dict[str, Any], interpreter: bool) -> torch.device:
@@ -261,6 +262,30 @@ class Compiled:
                                 warp_specialize=os.environ.get("NEPTUNE_FUSION_WS", "0") == "1" and not interpreter)
         target = "interpreter" if interpreter else "cuda"
         name = f"nf_{program.name}"
+        combine = None
+        combine_steps: list[Step] = []
+        ctile = None
+        fused_combine = plan.splits > 1 and os.environ.get("NEPTUNE_FUSION_FUSED_COMBINE", "1") == "1"
+        if plan.splits > 1:
+            cprog = combine_program(fused)
+            combine_steps = fuse(cprog)
+            cfused = combine_steps[-1].program
+            cdtypes = {b.name: ("f32" if b.name.startswith("part_") else dtypes[b.name]) for b in cprog.inputs}
+            cfull = {a: full_sizes[a] for a in assign_roles(cfused).full}
+            # the combine reduces a few partial states per row with elementwise math (no dot), so small
+            # tiles keep its 3-D (row, split, head-dim) values in registers; run inside the main
+            # kernel it must tile rows as the main kernel does
+            crows = sizes[assign_roles(cfused).row]
+            block_split = min(8, 1 << (plan.splits - 1).bit_length())
+            block_rows = plan.block_row if fused_combine else min(16, 1 << max(0, (crows - 1).bit_length()))
+            cconfig = LoweringConfig(cdtypes, main_dtype, cfull, block_rows, block_split, plan.num_warps, 1, 1, "f32",
+                                     block_epilogue=32 if interpreter else 128)
+            ctile = lower(cfused, cconfig, f"{name}_combine")
+            if not fused_combine:
+                csource = generate(ctile, target)
+                combine = KernelLaunch(ctile, csource, _load_kernel(csource, ctile.name), cfused)
+            else:
+                config.fused_combine = ctile
         tile = lower(fused, config, name)
         while not interpreter and shared_memory_estimate(tile) > SHARED_MEMORY_BUDGET and (
                 config.num_stages > 1 or config.block_col > 16):
@@ -271,27 +296,9 @@ class Compiled:
                 config.block_col //= 2
             config.notes = []
             tile = lower(fused, config, name)
-        source = generate(tile, target)
+        source = generate(tile, target, [ctile] if config.fused_combine is not None else None)
         main = KernelLaunch(tile, source, _load_kernel(source, name), fused)
-        combine = None
-        combine_steps: list[Step] = []
-        if plan.splits > 1:
-            cprog = combine_program(fused)
-            combine_steps = fuse(cprog)
-            cfused = combine_steps[-1].program
-            cdtypes = {b.name: ("f32" if b.name.startswith("part_") else dtypes[b.name]) for b in cprog.inputs}
-            cfull = {a: full_sizes[a] for a in assign_roles(cfused).full}
-            # the combine reduces a few partial states per row with elementwise math (no dot), so small
-            # tiles keep its 3-D (row, split, head-dim) values in registers
-            crows = sizes[assign_roles(cfused).row]
-            block_split = min(8, 1 << (plan.splits - 1).bit_length())
-            block_rows = min(16, 1 << max(0, (crows - 1).bit_length()))
-            cconfig = LoweringConfig(cdtypes, main_dtype, cfull, block_rows, block_split, 4, 1, 1, "f32",
-                                     block_epilogue=32 if interpreter else 128)
-            ctile = lower(cfused, cconfig, f"{name}_combine")
-            csource = generate(ctile, target)
-            combine = KernelLaunch(ctile, csource, _load_kernel(csource, ctile.name), cfused)
-        exe = Executable(steps, plan, main, combine, combine_steps, masks if use_block_map else None)
+        exe = Executable(steps, plan, main, combine, combine_steps, masks if use_block_map else None, ctile)
         self._cache[key] = exe
         return exe
 
@@ -335,13 +342,15 @@ class Compiled:
         out_shapes = {spec.stage: [sizes[a] for a in fused.stage(spec.stage).axes] for spec in fused.outputs}
         views = [(spec.stage, [sizes[d] if d else 1 for d in (spec.view or spec.dims)]) for spec in fused.outputs]
         scratch: dict[str, torch.Tensor] = {}
-        if exe.combine is not None:
+        if exe.plan.splits > 1:
             loop = next(n for n in fused.stages if isinstance(n, FusedLoop))
-            scratch = self._scratch_for(loop, sizes, exe.plan.splits, device)
+            roles = assign_roles(fused)
+            counters = math.ceil(sizes[roles.row] / exe.plan.block_row) * math.prod(sizes[a] for a in roles.batch)
+            scratch = self._scratch_for(loop, sizes, exe.plan.splits, device, counters)
         position = {name: i for i, name in enumerate(order)}
         csizes = dict(sizes)
         csizes[SPLIT_AXIS] = exe.plan.splits
-        kernels = [(exe.main, sizes, exe.combine is None)]
+        kernels = [(exe.main, csizes, exe.combine is None)]
         if exe.combine is not None:
             kernels.append((exe.combine, csizes, True))
         extras: dict[str, torch.Tensor] = {}
@@ -409,14 +418,16 @@ class Compiled:
         return launch.fn, grid, getters, dict(tile.constexprs), tile.num_warps, tile.num_stages, dynamic
 
     def _scratch_for(self, loop: FusedLoop, sizes: dict[str, int], splits: int,
-                     device: torch.device) -> dict[str, torch.Tensor]:
-        """Partial-state buffers, allocated once per shape and reused across calls."""
+                     device: torch.device, counters: int) -> dict[str, torch.Tensor]:
+        """Partial-state buffers and per-row-tile arrival counters (zero between calls: the last
+        arrival resets its counter), allocated once per shape and reused across calls."""
         key = (loop.name, tuple(sorted(sizes.items())), splits, str(device))
         if key not in self._scratch:
             self._scratch[key] = {
                 f"part_{m.name}": torch.empty([splits, *(sizes[a] for a in m.axes)], dtype=torch.float32, device=device)
                 for m in loop.members
             }
+            self._scratch[key][COUNTER] = torch.zeros(counters, dtype=torch.int32, device=device)
         return self._scratch[key]
 
 

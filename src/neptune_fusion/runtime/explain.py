@@ -36,9 +36,12 @@ def explain(program: ProgramDef | Callable[..., Any], *args: Any, schedule: Sche
                         f"num_warps={plan.num_warps} num_stages={plan.num_stages} splits={plan.splits}")
     section("tile program", format_tile_kernel(exe.main.tile))
     section("Triton source", exe.main.source)
-    if exe.combine is not None:
+    if exe.combine_tile is not None:
         section("combine program (generated from the repair functions)", format_program(exe.combine_steps[0].program))
-        section("combine after fusion", format_program(exe.combine.program))
-        section("combine tile program", format_tile_kernel(exe.combine.tile))
-        section("combine Triton source", exe.combine.source)
+        section("combine after fusion", format_program(exe.combine_steps[-1].program))
+        section("combine tile program", format_tile_kernel(exe.combine_tile))
+        if exe.combine is not None:
+            section("combine Triton source", exe.combine.source)
+        else:
+            section("combine", "called by the main kernel's last program per row tile (see the Triton source above)")
     return "\n".join(out)

@@ -69,7 +69,19 @@ class Loop:
     warp_specialize: bool = False
 
 
-Stmt = Union[Op, Store, Assign, Loop]
+@dataclass
+class CombineTail:
+    """Split-K without a second launch: the last program of a row tile to finish (counted with an
+    atomic) calls the combine kernel's function on the partial states; it then resets the counter."""
+
+    function: str
+    args: list[str]  # this kernel's argument names, passed positionally to `function`
+    constexprs: dict[str, int]
+    counter: TVal  # scalar offset of this row tile's arrival counter
+    splits: str
+
+
+Stmt = Union[Op, Store, Assign, Loop, CombineTail]
 
 
 @dataclass
@@ -116,6 +128,9 @@ def format_tile_kernel(kernel: TileKernel) -> str:
                 lines.append(f"{indent}store {st.buffer}[{st.base.name} + {st.offsets.name}] = {st.value.name}{mask}")
             elif isinstance(st, Assign):
                 lines.append(f"{indent}{st.target.name} <- {st.value.name}")
+            elif isinstance(st, CombineTail):
+                lines.append(f"{indent}if atomic_add(counter[{st.counter.name}], 1) == {st.splits} - 1: "
+                             f"{st.function}(partial states) ; counter <- 0")
             else:
                 note = f"   # {st.comment}" if st.comment else ""
                 lines.append(f"{indent}for {st.var.name} in range({st.start.name}, {st.stop.name}, {st.step}):{note}")
