@@ -265,7 +265,10 @@ class Compiled:
         combine = None
         combine_steps: list[Step] = []
         ctile = None
-        fused_combine = plan.splits > 1 and os.environ.get("NEPTUNE_FUSION_FUSED_COMBINE", "1") == "1"
+        # one launch (the last split program combines) pays off while launches dominate; at long
+        # reductions the H200 measured the separate combine launch faster (bench/results/decode*.json)
+        setting = os.environ.get("NEPTUNE_FUSION_FUSED_COMBINE", "auto")
+        fused_combine = plan.splits > 1 and (setting == "1" or (setting == "auto" and sizes[roles.col] <= 4096))
         if plan.splits > 1:
             cprog = combine_program(fused)
             combine_steps = fuse(cprog)
