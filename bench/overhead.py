@@ -16,13 +16,7 @@ import torch.nn.functional as F
 
 import neptune_fusion as nf
 from bench.common import environment, write_results
-
-
-@nf.program
-def attention(q, k, v, scale):
-    s = nf.einsum("bhqd,bhkd->bhqk", q, k) * scale
-    p = nf.exp(s - s.max(axis=-1, keepdims=True))
-    return nf.einsum("bhqk,bhkd->bhqd", p, v) / p.sum(axis=-1, keepdims=True)
+from neptune_fusion.library import attention
 
 
 def host_us(fn, n=300):

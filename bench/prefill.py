@@ -17,22 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import neptune_fusion as nf
 from bench.common import bench, environment, rel_err, try_time, write_results
-
-
-@nf.program
-def attention(q, k, v, scale):
-    s = nf.einsum("bhqd,bhkd->bhqk", q, k) * scale
-    p = nf.exp(s - s.max(axis=-1, keepdims=True))
-    return nf.einsum("bhqk,bhkd->bhqd", p, v) / p.sum(axis=-1, keepdims=True)
-
-
-@nf.program
-def causal_attention(q, k, v, scale):
-    s = nf.einsum("bhqd,bhkd->bhqk", q, k) * scale
-    s = nf.where(nf.index(s, -2) >= nf.index(s, -1), s, -nf.inf)
-    p = nf.exp(s - s.max(axis=-1, keepdims=True))
-    return nf.einsum("bhqk,bhkd->bhqd", p, v) / p.sum(axis=-1, keepdims=True)
-
+from neptune_fusion.library import attention, causal_attention
 
 OPS = {"pf_global": (attention, False), "pf_causal": (causal_attention, True)}
 CONFIGS = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 4)]

@@ -12,24 +12,10 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import neptune_fusion as nf  # noqa: E402
+from neptune_fusion.library import attention, causal_attention, logsumexp, softmax  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16]
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3}
-
-
-@nf.program
-def attention(q, k, v, scale):
-    s = nf.einsum("bhqd,bhkd->bhqk", q, k) * scale
-    p = nf.exp(s - s.max(axis=-1, keepdims=True))
-    return nf.einsum("bhqk,bhkd->bhqd", p, v) / p.sum(axis=-1, keepdims=True)
-
-
-@nf.program
-def causal_attention(q, k, v, scale):
-    s = nf.einsum("bhqd,bhkd->bhqk", q, k) * scale
-    s = nf.where(nf.index(s, -2) >= nf.index(s, -1), s, -nf.inf)
-    p = nf.exp(s - s.max(axis=-1, keepdims=True))
-    return nf.einsum("bhqk,bhkd->bhqd", p, v) / p.sum(axis=-1, keepdims=True)
 
 
 @nf.program
@@ -46,18 +32,6 @@ def softcap_attention(q, k, v, scale):
     s = 50 * nf.tanh(s / 50)
     p = nf.exp(s - s.max(axis=-1, keepdims=True))
     return nf.einsum("bhqk,bhkd->bhqd", p, v) / p.sum(axis=-1, keepdims=True)
-
-
-@nf.program
-def softmax(x):
-    e = nf.exp(x - x.max(axis=-1, keepdims=True))
-    return e / e.sum(axis=-1, keepdims=True)
-
-
-@nf.program
-def logsumexp(x):
-    m = x.max(axis=-1, keepdims=True)
-    return (m + nf.log(nf.exp(x - m).sum(axis=-1, keepdims=True)))[..., 0]
 
 
 def _qkv(b: int, h: int, lq: int, lk: int, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:

@@ -29,13 +29,7 @@ def demo(args: argparse.Namespace) -> int:
 
     import neptune_fusion as nf
     from neptune_fusion.ir.printer import format_program
-
-    @nf.program
-    def attention(q, k, v, scale):
-        s = nf.einsum("bhqd,bhkd->bhqk", q, k) * scale
-        s = nf.where(nf.index(s, -2) >= nf.index(s, -1), s, -nf.inf)  # causal
-        p = nf.exp(s - s.max(axis=-1, keepdims=True))
-        return nf.einsum("bhqk,bhkd->bhqd", p, v) / p.sum(axis=-1, keepdims=True)
+    from neptune_fusion.library import causal_attention as attention
 
     dtype = torch.float16
     torch.manual_seed(0)
@@ -83,12 +77,7 @@ def explain_cmd(args: argparse.Namespace) -> int:
     import torch
 
     import neptune_fusion as nf
-
-    @nf.program
-    def attention(q, k, v, scale):
-        s = nf.einsum("bhqd,bhkd->bhqk", q, k) * scale
-        p = nf.exp(s - s.max(axis=-1, keepdims=True))
-        return nf.einsum("bhqk,bhkd->bhqd", p, v) / p.sum(axis=-1, keepdims=True)
+    from neptune_fusion.library import attention
 
     q, k, v = (torch.randn(b, h, n if args.query_len is None else args.query_len, d, device=device,
                            dtype=torch.float16) if i == 0 else torch.randn(b, h, n, d, device=device, dtype=torch.float16)
