@@ -146,3 +146,20 @@ def test_polynomial_expansion_translation_validation():
     assert expanded is not prog
     torch.testing.assert_close(nf.run_reference(expanded, {"x": x}), nf.run_reference(prog, {"x": x}),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_reductions_across_programs_are_refused_not_miscomputed():
+    """A second reduction along the row axis would span programs: refuse it (or fall back), never guess."""
+
+    @nf.program
+    def two_axes(x):
+        a = nf.exp(x - x.max(axis=-1, keepdims=True)).sum(axis=-1)
+        return a, x.max(axis=0)
+
+    x = randn(70, 40)
+    with pytest.raises(nf.FusionError, match="split across programs"):
+        nf.compile(two_axes)(x)
+    with pytest.warns(UserWarning, match="unfused"):
+        a, b = nf.compile(two_axes, allow_fallback=True)(x)
+    torch.testing.assert_close(b, x.max(0).values)
+    torch.testing.assert_close(a, torch.exp(x - x.max(-1, keepdim=True).values).sum(-1))

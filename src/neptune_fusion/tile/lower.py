@@ -181,6 +181,7 @@ class KernelBuilder:
         self.tile_start: dict[str, TVal] = {}
         self.variant_axes = {self.roles.col, BLOCK_MAP_TILE}  # indices that change inside a loop
         self.member_names = {m.name for m in self.loop.members}
+        self.loop_axes_of = {m.name: m.axes for m in self.loop.members}
         self.block = {self.roles.row: "BLOCK_R", self.roles.col: "BLOCK_C"}
         self.constexprs: dict[str, int] = {"BLOCK_R": config.block_row, "BLOCK_C": config.block_col}
         for axis in self.roles.full:
@@ -381,6 +382,12 @@ class KernelBuilder:
 
     def _load(self, expr: Load, ctx: _Ctx) -> TVal:
         if expr.buffer in ctx.values:
+            if expr.buffer in self.loop_axes_of and expr.index != tuple(Index(a) for a in self.loop_axes_of[expr.buffer]):
+                # a program holds its own rows of a reduction only; another row's value lives elsewhere
+                raise UnsupportedProgramError(
+                    "tile lowering", expr.buffer, "load",
+                    f"the reduction {expr.buffer!r} is read at indices {[str(i) for i in expr.index]} other than its "
+                    f"own axes {self.loop_axes_of[expr.buffer]}")
             return ctx.values[expr.buffer]
         if expr.buffer not in self.config.input_dtypes:
             stage = self.program.stage(expr.buffer)
@@ -537,9 +544,12 @@ class KernelBuilder:
         if expr.op not in ("sum", "max", "min"):
             raise UnsupportedProgramError("tile lowering", self.program.name, f"{expr.op} over {expr.axis}",
                                           "only sum, max and min reductions are lowered to kernels")
-        if expr.axis not in self.roles.tile_axes:
-            raise UnsupportedProgramError("tile lowering", self.program.name, f"{expr.op} over {expr.axis}",
-                                          "a reduction over an axis that is not a tile axis of this kernel")
+        if expr.axis not in self.roles.tile_axes or expr.axis == self.roles.row:
+            raise UnsupportedProgramError(
+                "tile lowering", self.program.name, f"{expr.op} over {expr.axis}",
+                f"a reduction over {expr.axis!r}, which is split across programs (rows {self.roles.row!r}, "
+                f"batch {self.roles.batch}); only the fused reductions over {self.roles.col!r} and reductions "
+                "over whole head-dim axes fit one kernel")
         operands = self.contraction(expr, ctx)
         if operands is not None:
             return self.dot(operands[0], operands[1], expr.axis)
