@@ -14,8 +14,8 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
-from neptune_fusion.algebra.repair import contribution_vanishes
 from neptune_fusion.ir.expr import (
     REDUCER_IDENTITY,
     Binary,
@@ -181,8 +181,15 @@ def _constraints_of(cmp: Expr, row: str, col: str, int_params: set[str]) -> list
     return out
 
 
-def analyze_masks(loop: FusedLoop, row: str, int_params: set[str] | None = None) -> MaskInfo:
-    """The masks of `loop` (see module docstring); `row` is the axis tiled per program."""
+Vanishes = Callable[[Expr, Expr, float, float, tuple[str, ...]], bool]
+
+
+def analyze_masks(loop: FusedLoop, row: str, int_params: set[str] | None, vanishes: Vanishes) -> MaskInfo:
+    """The masks of `loop` (see module docstring); `row` is the axis tiled per program.
+
+    `vanishes(g, node, value, identity, producers)` must prove that g with `node` set to `value`
+    is the reducer's identity (the algebra layer's `contribution_vanishes`).
+    """
     col = loop.axis
     int_params = int_params or set()
     bodies = []
@@ -204,7 +211,7 @@ def analyze_masks(loop: FusedLoop, row: str, int_params: set[str] | None = None)
                 break
             producers = loop.producers.get(m.name, ())
             masked_value = w.b if isinstance(w.b, Const) else w.a
-            if not contribution_vanishes(g, w, float(masked_value.value), REDUCER_IDENTITY[m.body.op], producers):  # type: ignore[attr-defined]
+            if not vanishes(g, w, float(masked_value.value), REDUCER_IDENTITY[m.body.op], producers):  # type: ignore[attr-defined]
                 ok = False
                 break
         if not ok:

@@ -253,11 +253,21 @@ class ProgramDef:
         return self._cache[key]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from neptune_fusion.runtime.reference import run_reference
-
+        """Run the program eagerly, unfused (with the executor the runtime layer registers)."""
+        if _EAGER_EXECUTOR is None:
+            raise RuntimeError("no eager executor registered; import neptune_fusion (not only its lang layer)")
         named = self.bind(*args, **kwargs)
         prog = self.trace(*args, **kwargs)
-        return run_reference(prog, dict(named))
+        return _EAGER_EXECUTOR(prog, dict(named))
+
+
+_EAGER_EXECUTOR: Callable[[Program, dict[str, Any]], Any] | None = None
+
+
+def set_eager_executor(executor: Callable[[Program, dict[str, Any]], Any]) -> None:
+    """Called by the runtime layer so that calling a ProgramDef runs it (the front end does not import it)."""
+    global _EAGER_EXECUTOR
+    _EAGER_EXECUTOR = executor
 
 
 def _shape_key(shape: tuple[int, ...] | None) -> tuple[int, ...] | None:

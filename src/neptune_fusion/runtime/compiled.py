@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import torch
 
+from neptune_fusion.algebra.repair import contribution_vanishes
 from neptune_fusion.analysis.masks import MaskInfo, analyze_masks
 from neptune_fusion.codegen.triton_source import generate
 from neptune_fusion.ir.errors import FusionError
@@ -234,7 +235,7 @@ class Compiled:
         full_sizes = {a: sizes[a] for a in roles.full}
         batch = math.prod(sizes[a] for a in roles.batch)
         int_params = {p for p, k in fused.param_kinds.items() if k == "int"}
-        masks = analyze_masks(fused_loop_of(fused), roles.row, int_params)
+        masks = analyze_masks(fused_loop_of(fused), roles.row, int_params, contribution_vanishes)
         use_block_map = masks.residual
         plan = choose(self.schedule, rows=sizes[roles.row], cols=sizes[roles.col], batch=batch,
                       full_sizes=full_sizes, dtype=main_dtype, num_sms=_num_sms(device), interpreter=interpreter,

@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
+from neptune_fusion.algebra.repair import contribution_vanishes
 from neptune_fusion.analysis.masks import MaskInfo, analyze_masks
 from neptune_fusion.ir.errors import UnsupportedProgramError
 from neptune_fusion.ir.expr import (
@@ -195,7 +196,7 @@ class KernelBuilder:
         if config.splits > 1:
             self.constexprs["SPLITS"] = config.splits
         int_params = {p for p, k in program.param_kinds.items() if k == "int"}
-        self.masks: MaskInfo = analyze_masks(self.loop, self.roles.row, int_params)
+        self.masks: MaskInfo = analyze_masks(self.loop, self.roles.row, int_params, contribution_vanishes)
 
     # --- values -----------------------------------------------------------------
     def fresh(self, prefix: str) -> str:
