@@ -221,3 +221,10 @@ def test_positive_scale_specialisation_keeps_negative_scales_correct():
     assert len(fn._cache) == 2
     named = dict(fn.program_def.bind(q, k, v, 0.3))
     assert "tl.max(dot" in fn.executable_for(fn.program_def.trace(**named), named).main.source
+
+
+def test_explain_accepts_a_traced_program():
+    q, k, v = _qkv(1, 2, 40, 40, 16, torch.float32)
+    causal = lambda b, h, q_idx, kv_idx: q_idx >= kv_idx  # noqa: E731
+    text = nf.explain(nf.attention_program(q, k, v, mask_mod=causal), **nf.attention_inputs(q, k, v, mask_mod=causal))
+    assert "rolling loop over" in text and "fully visible tiles" in text

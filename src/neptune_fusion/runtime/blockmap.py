@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from neptune_fusion.analysis.masks import MaskInfo
-from neptune_fusion.ir.expr import Binary, Expr, Index, Unary, free_axes, loads_of, walk
+from neptune_fusion.ir.expr import Binary, Expr, Unary, free_axes, loads_of, walk
 from neptune_fusion.ir.program import Program
 from neptune_fusion.runtime.reference import _Evaluator
 from neptune_fusion.tile.lower import BLOCK_MAP_PREFIX, AxisRoles
@@ -106,4 +106,4 @@ def block_map(program: Program, masks: MaskInfo, roles: AxisRoles, sizes: dict[s
     return out
 
 
-__all__ = ["block_map", "block_map_axes", "visibility", "Index"]
+__all__ = ["block_map", "block_map_axes", "visibility"]

@@ -9,18 +9,31 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from neptune_fusion.ir.printer import format_program
+from neptune_fusion.ir.program import Program
 from neptune_fusion.lang.trace import ProgramDef
 from neptune_fusion.runtime.compiled import Compiled
 from neptune_fusion.schedule.templates import Schedule
 from neptune_fusion.tile.ir import format_tile_kernel
 
 
-def explain(program: ProgramDef | Callable[..., Any], *args: Any, schedule: Schedule | None = None,
-            **kwargs: Any) -> str:
-    """The input program, each fusion pass (with the derived repair terms), the tile program and Triton source."""
-    compiled = program if isinstance(program, Compiled) else Compiled(program, schedule)
-    named = dict(compiled.program_def.bind(*args, **kwargs))
-    prog = compiled.program_def.trace(**named)
+def explain(program: ProgramDef | Program | Compiled | Callable[..., Any], *args: Any,
+            schedule: Schedule | None = None, **kwargs: Any) -> str:
+    """The input program, each fusion pass (with the derived repair terms), the tile program and Triton source.
+
+    `program` is a `@nf.program`, a compiled function, or a traced `Program` (e.g. from
+    `nf.attention_program`); arguments are passed as for a call (for a `Program`: its inputs,
+    then its scalar parameters, in order, or by name).
+    """
+    if isinstance(program, Program):
+        prog = program
+        names = [b.name for b in prog.inputs] + list(prog.params)
+        named = dict(zip(names, args))
+        named.update(kwargs)
+        compiled = Compiled(lambda: None, schedule)
+    else:
+        compiled = program if isinstance(program, Compiled) else Compiled(program, schedule)
+        named = dict(compiled.program_def.bind(*args, **kwargs))
+        prog = compiled.program_def.trace(**named)
     exe = compiled.executable_for(prog, named)
     out: list[str] = []
 

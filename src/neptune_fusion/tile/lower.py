@@ -581,7 +581,6 @@ class KernelBuilder:
     # --- kernel structure ---------------------------------------------------------------
     def build(self) -> TileKernel:
         roles, cfg = self.roles, self.config
-        k0 = self.scopes[0]
         # program ids: rows (heaviest tiles first), flattened batch, split
         pid_r = self.op("program_id", (), "i32", prefix="pid", dim=0)
         n_rows = self.size(roles.row)
@@ -616,7 +615,6 @@ class KernelBuilder:
         grid = [f"cdiv(size_{roles.row}, BLOCK_R)", " * ".join(f"size_{a}" for a in roles.batch) or "1"]
         if cfg.splits > 1:
             grid.append("SPLITS")
-        del k0
         return TileKernel(self.name, self.args, roles.tile_axes, self.block, grid, self.body, cfg.num_warps,
                           cfg.num_stages, self.constexprs, list(cfg.notes))
 
@@ -896,10 +894,3 @@ class KernelBuilder:
 def lower(program: Program, config: LoweringConfig, name: str = "fused_kernel") -> TileKernel:
     """Lower a fused program (one FusedLoop + output stages) to a tile kernel."""
     return KernelBuilder(program, config, name).build()
-
-
-def _unused(*_: object) -> None:
-    return None
-
-
-__all__ = ["AxisRoles", "LoweringConfig", "assign_roles", "fused_loop_of", "lower", "math", "Stage"]
