@@ -16,8 +16,7 @@ captured tensors (`slopes[h]`, `doc_id[q_idx] == doc_id[kv_idx]`, `bias[h, q_idx
 tensors become extra kernel inputs, passed on every call (so in-place updates are seen); their
 indices are not bounds-checked (as in FlexAttention, out-of-range indices are the caller's bug).
 Differences from FlexAttention: the mask is given as `mask_mod` (a `BlockMask` is accepted for its
-`mask_mod`), there is no autograd, and the returned lse is computed in float32 but stored in the
-input dtype before being returned as float32.
+`mask_mod`), and there is no autograd. The lse is computed and stored in float32.
 
 Caching: traced programs are cached per (score_mod, mask_mod, shapes, dtypes, flags) and compiled
 kernels per (score_mod, mask_mod, schedule, flags). A function is identified by its code and the
@@ -169,7 +168,7 @@ def _body(score_mod: ScoreMod | None, mask_mod: MaskMod | None, groups: int, ret
         if not return_lse:
             return out
         lse = where(denom > 0, m + log(denom), -math.inf)
-        return out, lse[..., 0]
+        return out, cast(lse[..., 0], "f32")  # stored in float32, as FlexAttention returns it
 
     return attention
 
@@ -389,7 +388,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod: Scor
     result = compiled(*call.args.values())
     if return_lse:
         out, lse = result
-        return out, lse.float()
+        return out, lse
     return result
 
 

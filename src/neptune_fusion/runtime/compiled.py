@@ -344,6 +344,8 @@ class Compiled:
         out_dtype = next(example[b.name].dtype for b in program.inputs if example[b.name].is_floating_point())
         fused = exe.main.program
         out_shapes = {spec.stage: [sizes[a] for a in fused.stage(spec.stage).axes] for spec in fused.outputs}
+        # an output whose value is cast to a float dtype (`x.to(torch.float32)`) is stored in it
+        out_dtypes = {name: _declared_dtype(fused.stage(name).body, out_dtype) for name in out_shapes}
         views = [(spec.stage, [sizes[d] if d else 1 for d in (spec.view or spec.dims)]) for spec in fused.outputs]
         scratch: dict[str, torch.Tensor] = {}
         if exe.plan.splits > 1:
@@ -369,7 +371,8 @@ class Compiled:
         roles = assign_roles(fused)
 
         def run(values: list[Any]) -> Any:
-            outputs = {name: torch.empty(shape, dtype=out_dtype, device=device) for name, shape in out_shapes.items()}
+            outputs = {name: torch.empty(shape, dtype=out_dtypes[name], device=device)
+                       for name, shape in out_shapes.items()}
             if masks is not None:
                 outputs.update(block_map(fused, masks, roles, sizes, dict(zip(order, values)), exe.plan.block_row,
                                          exe.plan.block_col))
@@ -480,6 +483,15 @@ def _knobs() -> Any:
     from triton import knobs
 
     return knobs
+
+
+def _declared_dtype(body: Any, default: torch.dtype) -> torch.dtype:
+    from neptune_fusion.ir.expr import Cast
+    from neptune_fusion.runtime.reference import torch_dtype
+
+    if isinstance(body, Cast) and body.dtype in ("f32", "f16", "bf16"):
+        return torch_dtype(body.dtype)
+    return default
 
 
 def _arg_key(value: Any) -> Any:
