@@ -156,6 +156,21 @@ def _choose_layout(fused: Program, sizes: dict[str, int]) -> tuple[Program, tupl
     return fused, None
 
 
+def _check_offsets(fused: Program, roles: Any, args: dict[str, Any]) -> None:
+    """Element offsets within one program's slice of a tensor are 32-bit (batch offsets are 64-bit)."""
+    batch = set(roles.batch)
+    for buf in fused.inputs:
+        t = args.get(buf.name)
+        if not isinstance(t, torch.Tensor):
+            continue
+        span = sum((size - 1) * abs(stride) for axis, size, stride in zip(buf.dims, t.shape, t.stride())
+                   if axis not in batch and size > 0)
+        if span >= 2**31:
+            raise ValueError(
+                f"input {buf.name!r} spans {span} elements within one (batch, head) slice; kernels address "
+                f"such slices with 32-bit offsets (make the sequence or head-dim layout more compact)")
+
+
 def _tma_buffers(program: Program, args: dict[str, Any], device: torch.device, interpreter: bool) -> frozenset[str]:
     """Inputs whose tiles can be read through tensor descriptors (Hopper's copy engine): floating
     point, last dimension contiguous, other strides and the base 16-byte aligned."""
@@ -240,6 +255,7 @@ class Compiled:
         plan = choose(self.schedule, rows=sizes[roles.row], cols=sizes[roles.col], batch=batch,
                       full_sizes=full_sizes, dtype=main_dtype, num_sms=_num_sms(device), interpreter=interpreter,
                       can_split=not use_block_map)
+        _check_offsets(fused, roles, args)
         tma = _tma_buffers(program, args, device, interpreter)
         positive = frozenset(p for p in program.params if isinstance(args[p], float) and args[p] > 0)
         key = (program.fingerprint(), tuple(sorted(dtypes.items())), tuple(sorted(full_sizes.items())), plan,
@@ -458,6 +474,8 @@ class _FastLaunch:
         self.dynamic = [(i, g) for i, (g, d) in enumerate(zip(getters, dynamic)) if d]
 
     def __call__(self, values: list[Any], outputs: dict[str, torch.Tensor]) -> None:
+        if 0 in self.grid:  # an empty axis: nothing to compute (CUDA refuses empty grids)
+            return
         if self.kernel is None:
             args = [g(values, outputs) for g in self.getters]
             kernel = self.fn[self.grid](*args, **self.constexprs, num_warps=self.warps, num_stages=self.stages)
