@@ -72,3 +72,36 @@ def test_random_affine_masks(seed):
     s = (q.double() @ k.double().mT) / 4.0
     p = torch.softmax(s.masked_fill(~visible, float("-inf")), -1).nan_to_num(0.0)
     torch.testing.assert_close(out.double(), p @ v.double(), rtol=1e-5, atol=1e-5, msg=text)
+
+
+@pytest.mark.parametrize("seed", range(int(os.environ.get("NF_FUZZ_SEEDS", "16")) // 2))
+def test_random_data_dependent_masks(seed):
+    """Masks read from tensors (documents, tables, lengths): tiles come from a run-time block map."""
+    rng = random.Random(1000 + seed)
+    g = torch.Generator().manual_seed(seed)
+    b, lq, lk = rng.choice([1, 2]), rng.choice([40, 64, 90]), rng.choice([40, 64, 77])
+    q, k, v = (torch.randn(b, 2, n, 16, generator=g) for n in (lq, lk, lk))
+    doc_q = torch.sort(torch.randint(0, rng.randint(1, 6), (lq,), generator=g)).values
+    doc_k = torch.sort(torch.randint(0, rng.randint(1, 6), (lk,), generator=g)).values
+    table = torch.rand(lq, lk, generator=g) > rng.random()
+    lengths = torch.randint(0, lk + 1, (b,), generator=g)
+    affine, _ = _random_comparison(rng)
+    kind = rng.choice(["doc", "table", "lengths", "doc_affine"])
+
+    def mask(bi, h, qi, ki):
+        if kind == "doc":
+            return doc_q[qi] == doc_k[ki]
+        if kind == "table":
+            return table[qi, ki] | (qi == ki)
+        if kind == "lengths":
+            return ki < lengths[bi]
+        return (doc_q[qi] == doc_k[ki]) & affine(qi, ki)
+
+    schedule = nf.flash(block_q=rng.choice([16, 32]), block_k=rng.choice([16, 32]))
+    out = nf.attention(q, k, v, mask_mod=mask, schedule=schedule)
+    bi = torch.arange(b)[:, None, None, None]
+    qi, ki = torch.arange(lq)[None, None, :, None], torch.arange(lk)[None, None, None, :]
+    visible = mask(bi, None, qi, ki)
+    s = (q.double() @ k.double().mT) / 4.0
+    p = torch.softmax(s.masked_fill(~visible, float("-inf")), -1).nan_to_num(0.0)
+    torch.testing.assert_close(out.double(), p @ v.double(), rtol=1e-5, atol=1e-5, msg=kind)
