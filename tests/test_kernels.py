@@ -228,3 +228,19 @@ def test_explain_accepts_a_traced_program():
     causal = lambda b, h, q_idx, kv_idx: q_idx >= kv_idx  # noqa: E731
     text = nf.explain(nf.attention_program(q, k, v, mask_mod=causal), **nf.attention_inputs(q, k, v, mask_mod=causal))
     assert "rolling loop over" in text and "fully visible tiles" in text
+
+
+def test_autotune_times_candidates_and_remembers(tmp_path, monkeypatch):
+    from neptune_fusion.runtime import autotune as tuner
+
+    monkeypatch.setenv("NEPTUNE_FUSION_CACHE_DIR", str(tmp_path))
+    q, k, v = _qkv(1, 2, 64, 64, 16, torch.float32)
+    fn = nf.compile(causal_attention, schedule=nf.autotune())
+    idx = torch.arange(64)
+    _check(fn(q, k, v, scale=0.2), _torch_attention(q, k, v, 0.2, mask=idx[:, None] >= idx[None, :]), torch.float32)
+    assert len(tuner.last_report) >= 2 and all("us" in r or "rejected" in r for r in tuner.last_report)
+    assert (tmp_path / "autotune.json").exists()
+    tuner.last_report = []
+    fn2 = nf.compile(causal_attention, schedule=nf.autotune())
+    _check(fn2(q, k, v, scale=0.2), _torch_attention(q, k, v, 0.2, mask=idx[:, None] >= idx[None, :]), torch.float32)
+    assert tuner.last_report == []  # the remembered choice was used, nothing timed again

@@ -1,4 +1,4 @@
-"""Command line: `neptune-fusion demo | explain | bench`.
+"""Command line: `neptune-fusion demo | explain | bench | tune`.
 
 Example:
     $ neptune-fusion demo
@@ -11,6 +11,7 @@ import math
 import os
 import sys
 import time
+from typing import Any
 
 
 def _device_and_shape() -> tuple[str, tuple[int, int, int, int]]:
@@ -86,6 +87,66 @@ def explain_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+def _attention_inputs(args: argparse.Namespace) -> tuple[Any, ...]:
+    import torch
+
+    device, (b, h, n, d) = _device_and_shape()
+    if device == "cuda":
+        h, n, d = args.heads, args.seq, args.dim
+    lq = n if args.query_len is None else args.query_len
+    dtype = torch.float16
+    q = torch.randn(b, h, lq, d, device=device, dtype=dtype)
+    k, v = (torch.randn(b, h, n, d, device=device, dtype=dtype) for _ in range(2))
+    return device, q, k, v, 1 / math.sqrt(d)
+
+
+def bench_cmd(args: argparse.Namespace) -> int:
+    """Time compiled plain attention against torch's SDPA on one shape (GPU), or check it (CPU)."""
+    import torch.nn.functional as F
+
+    import neptune_fusion as nf
+    from neptune_fusion.library import attention, causal_attention
+
+    device, q, k, v, scale = _attention_inputs(args)
+    program = causal_attention if args.causal else attention
+    fn = nf.compile(program, schedule=nf.autotune() if args.tune else None)
+    out = fn(q, k, v, scale)
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=args.causal, scale=scale)
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    print(f"shape q {tuple(q.shape)} k {tuple(k.shape)}, causal={args.causal}: relative error {err:.2e}")
+    if device != "cuda":
+        print("no GPU here: timings need one (this ran a small shape under the Triton interpreter)")
+        return 0 if err < 2e-3 else 1
+    import triton
+
+    t_nf = triton.testing.do_bench(lambda: fn(q, k, v, scale), return_mode="median") * 1000
+    t_sdpa = triton.testing.do_bench(
+        lambda: F.scaled_dot_product_attention(q, k, v, is_causal=args.causal, scale=scale), return_mode="median") * 1000
+    print(f"neptune_fusion {t_nf:.1f} us   torch SDPA {t_sdpa:.1f} us   ({t_sdpa / t_nf:.2f}x)")
+    return 0 if err < 2e-3 else 1
+
+
+def tune_cmd(args: argparse.Namespace) -> int:
+    """Autotune compiled plain attention for one shape and print the candidates timed."""
+    import neptune_fusion as nf
+    from neptune_fusion.library import attention, causal_attention
+    from neptune_fusion.runtime import autotune
+
+    device, q, k, v, scale = _attention_inputs(args)
+    fn = nf.compile(causal_attention if args.causal else attention, schedule=nf.autotune())
+    fn(q, k, v, scale)
+    if not autotune.last_report:
+        print("a tuned choice for this shape was already remembered (delete autotune.json in the cache to retune)")
+    for entry in autotune.last_report:
+        plan = entry["plan"]
+        result = f"{entry['us']:10.1f} us" if "us" in entry else f"rejected: {entry['rejected']}"
+        print(f"  block {plan['block_row']}x{plan['block_col']} warps {plan['num_warps']} stages {plan['num_stages']} "
+              f"splits {plan['splits']}: {result}")
+    if device != "cuda":
+        print("(timed under the Triton interpreter: only the mechanism is meaningful here)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="neptune-fusion", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -95,6 +156,17 @@ def main(argv: list[str] | None = None) -> int:
     p_exp = sub.add_parser("explain", help="print every compilation stage for plain attention")
     p_exp.add_argument("--query-len", type=int, default=None, help="query length (1 for decode)")
     p_exp.set_defaults(func=explain_cmd)
+    for name, func, text in (("bench", bench_cmd, "time plain attention against torch SDPA on one shape"),
+                             ("tune", tune_cmd, "autotune plain attention for one shape")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("--seq", type=int, default=4096, help="key length (and query length unless --query-len)")
+        p.add_argument("--heads", type=int, default=32)
+        p.add_argument("--dim", type=int, default=128)
+        p.add_argument("--query-len", type=int, default=None, help="query length (1 for decode)")
+        p.add_argument("--causal", action="store_true")
+        if name == "bench":
+            p.add_argument("--tune", action="store_true", help="autotune before timing")
+        p.set_defaults(func=func)
     args = parser.parse_args(argv)
     return int(args.func(args))
 

@@ -34,7 +34,7 @@ from neptune_fusion.runtime.blockmap import block_map, block_map_axes
 from neptune_fusion.runtime.reference import axis_extents, run_reference
 from neptune_fusion.schedule.auto import Plan, choose
 from neptune_fusion.schedule.pipeline import SPLIT_AXIS, Step, combine_program, fuse
-from neptune_fusion.schedule.templates import Auto, Schedule
+from neptune_fusion.schedule.templates import Auto, Autotune, Schedule
 from neptune_fusion.tile.ir import TileKernel
 from neptune_fusion.tile.lower import BLOCK_MAP_PREFIX, COUNTER, LoweringConfig, assign_roles, fused_loop_of, lower
 from neptune_fusion.tile.resources import shared_memory_estimate
@@ -237,8 +237,8 @@ class Compiled:
         self.fallback_reason: str | None = None
 
     # --- compile ------------------------------------------------------------------
-    def executable_for(self, program: Program, args: dict[str, Any]) -> Executable:
-        """Compile (or fetch from cache) the kernels for these arguments."""
+    def executable_for(self, program: Program, args: dict[str, Any], plan: Plan | None = None) -> Executable:
+        """Compile (or fetch from cache) the kernels for these arguments (`plan` overrides the schedule)."""
         interpreter = interpreter_mode()
         device = _check_tensors(program, args, interpreter)
         dtypes = {b.name: dtype_name(args[b.name].dtype) for b in program.inputs}
@@ -252,9 +252,12 @@ class Compiled:
         int_params = {p for p, k in fused.param_kinds.items() if k == "int"}
         masks = analyze_masks(fused_loop_of(fused), roles.row, int_params, contribution_vanishes)
         use_block_map = masks.residual
-        plan = choose(self.schedule, rows=sizes[roles.row], cols=sizes[roles.col], batch=batch,
-                      full_sizes=full_sizes, dtype=main_dtype, num_sms=_num_sms(device), interpreter=interpreter,
-                      can_split=not use_block_map)
+        if plan is None:
+            plan = choose(self.schedule, rows=sizes[roles.row], cols=sizes[roles.col], batch=batch,
+                          full_sizes=full_sizes, dtype=main_dtype, num_sms=_num_sms(device), interpreter=interpreter,
+                          can_split=not use_block_map)
+        elif plan.splits > 1 and use_block_map:
+            plan = Plan(plan.block_row, plan.block_col, plan.num_warps, plan.num_stages, 1)
         _check_offsets(fused, roles, args)
         tma = _tma_buffers(program, args, device, interpreter)
         positive = frozenset(p for p in program.params if isinstance(args[p], float) and args[p] > 0)
@@ -338,7 +341,12 @@ class Compiled:
         program = self.program_def.trace(**named)
         order = list(named)
         try:
-            exe = self.executable_for(program, named)
+            if isinstance(self.schedule, Autotune):
+                from neptune_fusion.runtime.autotune import tune
+
+                exe = tune(self, program, named, order)
+            else:
+                exe = self.executable_for(program, named)
         except FusionError as exc:
             if not self.allow_fallback:
                 raise

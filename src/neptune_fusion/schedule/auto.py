@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from neptune_fusion.schedule.templates import Auto, Flash, Schedule, SplitK
+from neptune_fusion.schedule.templates import Auto, Autotune, Flash, Schedule, SplitK
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,8 @@ def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: 
     `can_split` is False when tiles are visited from a run-time block map (which lists tiles of
     whole rows, not of chunks).
     """
+    if isinstance(schedule, Autotune):
+        schedule = schedule.base
     head = max(full_sizes.values(), default=64)
     if interpreter:
         block_row = min(32, _pow2_at_least(rows))
@@ -78,3 +80,30 @@ def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: 
     if splits > 1 and not interpreter and not (isinstance(schedule, (Flash, SplitK)) and schedule.block_q):
         block_row = _pow2_at_least(rows) if rows <= 64 else block_row
     return Plan(block_row, block_col, warps, stages, splits)
+
+
+def candidates(plan: Plan, *, rows: int, cols: int, interpreter: bool, limit: int = 8) -> list[Plan]:
+    """Plans worth timing around `plan` (the heuristic choice first)."""
+    out = [plan]
+
+    def add(**changes: int) -> None:
+        p = Plan(**{**plan.__dict__, **changes})
+        if p not in out and p.block_col <= max(16, _pow2_at_least(cols)) and p.block_row <= max(16, _pow2_at_least(rows)):
+            out.append(p)
+
+    if plan.splits > 1:
+        for splits in (plan.splits // 2, plan.splits * 2):
+            if splits > 1 and cols // splits >= 2 * plan.block_col:
+                add(splits=splits)
+        add(block_col=128 if plan.block_col != 128 else 64)
+        add(num_stages=3 if plan.num_stages != 3 else 2)
+        add(num_warps=8 if plan.num_warps != 8 else 4)
+    else:
+        add(block_col=64 if plan.block_col != 64 else 128)
+        add(num_stages=2 if plan.num_stages != 2 else 3)
+        add(block_row=64, num_warps=4)
+        add(num_warps=4 if plan.num_warps != 4 else 8)
+        add(block_col=64 if plan.block_col != 64 else 128, num_stages=4)
+    if interpreter:
+        out = out[:2]
+    return out[:limit]

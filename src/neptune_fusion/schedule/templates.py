@@ -62,7 +62,24 @@ class Auto:
     """Pick `Flash` or `SplitK` and their parameters from the shapes at the first call."""
 
 
-Schedule = Flash | SplitK | Auto
+@dataclass(frozen=True)
+class Autotune:
+    """Time a few plans around `base`'s choice at the first call for each shape; keep the fastest.
+
+    Choices are remembered on disk (next to the kernel cache), keyed by program, shapes, dtypes
+    and GPU, so a later process does not tune again. Candidates whose output disagrees with the
+    untuned plan's are discarded, never used.
+    """
+
+    base: Flash | SplitK | Auto = Auto()
+    max_candidates: int = 8
+
+    def __post_init__(self) -> None:
+        if self.max_candidates < 1:
+            raise ValueError(f"max_candidates must be >= 1, got {self.max_candidates}")
+
+
+Schedule = Flash | SplitK | Auto | Autotune
 
 
 def flash(block_q: int | None = None, block_k: int | None = None, num_warps: int | None = None,
@@ -75,6 +92,11 @@ def split_k(splits: int | None = None, block_q: int | None = None, block_k: int 
             num_warps: int | None = None, num_stages: int | None = None) -> SplitK:
     """The FlashDecoding template: split the reduced axis over programs, merge with repairs."""
     return SplitK(splits, block_q, block_k, num_warps, num_stages)
+
+
+def autotune(base: Flash | SplitK | Auto | None = None, max_candidates: int = 8) -> Autotune:
+    """Tune the plan by timing candidates at the first call for each shape (see `Autotune`)."""
+    return Autotune(base or Auto(), max_candidates)
 
 
 def auto() -> Auto:
