@@ -261,8 +261,14 @@ class Compiled:
         _check_offsets(fused, roles, args)
         tma = _tma_buffers(program, args, device, interpreter)
         positive = frozenset(p for p in program.params if isinstance(args[p], float) and args[p] > 0)
+        # one launch (the last split program combines) pays off while launches dominate; at long
+        # reductions the H200 measured the separate combine launch faster (bench/results/decode*.json)
+        setting = os.environ.get("NEPTUNE_FUSION_FUSED_COMBINE", "auto")
+        fused_combine = plan.splits > 1 and (setting == "1" or (setting == "auto" and sizes[roles.col] <= 4096))
+        combine_rows = min(16, 1 << max(0, (sizes[roles.row] - 1).bit_length()))
         key = (program.fingerprint(), tuple(sorted(dtypes.items())), tuple(sorted(full_sizes.items())), plan,
-               layout, interpreter, str(device), tma, os.environ.get("NEPTUNE_FUSION_WS", "0"), positive)
+               layout, interpreter, str(device), tma, os.environ.get("NEPTUNE_FUSION_WS", "0"), positive,
+               fused_combine, combine_rows)
         if key in self._cache:
             return self._cache[key]
         steps = list(_fuse_cached(program, plan.splits))
@@ -285,10 +291,6 @@ class Compiled:
         combine = None
         combine_steps: list[Step] = []
         ctile = None
-        # one launch (the last split program combines) pays off while launches dominate; at long
-        # reductions the H200 measured the separate combine launch faster (bench/results/decode*.json)
-        setting = os.environ.get("NEPTUNE_FUSION_FUSED_COMBINE", "auto")
-        fused_combine = plan.splits > 1 and (setting == "1" or (setting == "auto" and sizes[roles.col] <= 4096))
         if plan.splits > 1:
             cprog = combine_program(fused)
             combine_steps = fuse(cprog)
@@ -298,9 +300,8 @@ class Compiled:
             # the combine reduces a few partial states per row with elementwise math (no dot), so small
             # tiles keep its 3-D (row, split, head-dim) values in registers; run inside the main
             # kernel it must tile rows as the main kernel does
-            crows = sizes[assign_roles(cfused).row]
             block_split = min(8, 1 << (plan.splits - 1).bit_length())
-            block_rows = plan.block_row if fused_combine else min(16, 1 << max(0, (crows - 1).bit_length()))
+            block_rows = plan.block_row if fused_combine else combine_rows
             cconfig = LoweringConfig(cdtypes, main_dtype, cfull, block_rows, block_split, plan.num_warps, 1, 1, "f32",
                                      block_epilogue=32 if interpreter else 128)
             ctile = lower(cfused, cconfig, f"{name}_combine")
@@ -452,7 +453,7 @@ class Compiled:
                      device: torch.device, counters: int) -> dict[str, torch.Tensor]:
         """Partial-state buffers and per-row-tile arrival counters (zero between calls: the last
         arrival resets its counter), allocated once per shape and reused across calls."""
-        key = (loop.name, tuple(sorted(sizes.items())), splits, str(device))
+        key = (loop.name, tuple(sorted(sizes.items())), splits, str(device), counters)
         if key not in self._scratch:
             self._scratch[key] = {
                 f"part_{m.name}": torch.empty([splits, *(sizes[a] for a in m.axes)], dtype=torch.float32, device=device)
