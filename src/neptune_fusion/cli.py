@@ -148,6 +148,7 @@ def tune_cmd(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry point of `neptune-fusion`; returns the exit status."""
     parser = argparse.ArgumentParser(prog="neptune-fusion", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p_demo = sub.add_parser("demo", help="compile plain attention, show repair terms and kernel, run and check")

@@ -166,30 +166,33 @@ def _fold(op: str, items: list[Expr]) -> Expr:
 
 
 def simplify(value: sp.Expr) -> sp.Expr:
+    """SymPy simplification, with powers of a common base combined."""
     return sp.powsimp(sp.simplify(value), force=False)
 
 
-def substitute(value: sp.Expr, mapping: dict[sp.Symbol, Any]) -> sp.Expr:
-    return value.subs(mapping)
-
 
 def is_zero(value: sp.Expr) -> bool:
+    """Whether `value` simplifies to 0."""
     return bool(sp.simplify(sp.expand(value)) == 0)
 
 
 def is_nonnegative(value: sp.Expr) -> bool:
+    """Whether SymPy can prove `value >= 0` (real symbols)."""
     return bool(value.is_nonnegative)
 
 
 def derivative(value: sp.Expr, symbol: sp.Symbol) -> sp.Expr:
+    """d value / d symbol."""
     return sp.diff(value, symbol)
 
 
 def limit_value(value: sp.Expr) -> sp.Expr:
+    """`value` after substitution of infinities, simplified (0 for exp(-oo), ...)."""
     return sp.simplify(value)
 
 
 def symbol(name: str) -> sp.Symbol:
+    """A real SymPy symbol."""
     return sp.Symbol(name, real=True)
 
 

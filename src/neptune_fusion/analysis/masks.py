@@ -70,6 +70,8 @@ class MaskedWhere:
 
 @dataclass(frozen=True)
 class MaskInfo:
+    """All masks of a fused loop (their conditions hold together)."""
+
     masks: tuple[MaskedWhere, ...]
 
     @property

@@ -71,6 +71,8 @@ ExprLike = Union[Expr, Number]
 
 @dataclass(frozen=True, eq=True)
 class Const(Expr):
+    """A Python number or bool."""
+
     value: Number
 
     def __repr__(self) -> str:
@@ -111,6 +113,8 @@ class Load(Expr):
 
 @dataclass(frozen=True, eq=True)
 class Unary(Expr):
+    """`op(x)` for an op of UNARY_OPS."""
+
     op: str
     x: Expr
 
@@ -120,6 +124,8 @@ class Unary(Expr):
 
 @dataclass(frozen=True, eq=True)
 class Binary(Expr):
+    """`op(a, b)` for an op of BINARY_OPS (arithmetic, comparisons, and/or, floor division, modulo)."""
+
     op: str
     a: Expr
     b: Expr
@@ -130,6 +136,8 @@ class Binary(Expr):
 
 @dataclass(frozen=True, eq=True)
 class Where(Expr):
+    """`a` where `cond` holds, else `b`."""
+
     cond: Expr
     a: Expr
     b: Expr
@@ -140,6 +148,8 @@ class Where(Expr):
 
 @dataclass(frozen=True, eq=True)
 class Cast(Expr):
+    """`x` converted to `dtype` (a name of DTYPES)."""
+
     x: Expr
     dtype: str
 
@@ -173,6 +183,7 @@ class Running(Expr):
 
 
 def as_expr(value: ExprLike) -> Expr:
+    """`value` as an expression (Python numbers become Const)."""
     if isinstance(value, Expr):
         return value
     if isinstance(value, (bool, int, float)):

@@ -78,10 +78,12 @@ def format_expr(expr: Expr, _prec: int = -10) -> str:
 
 
 def format_stage(stage: Stage) -> str:
+    """`name[axes] = body` on one line."""
     return f"{stage.name}[{', '.join(stage.axes)}] = {format_expr(stage.body)}"
 
 
 def format_node(node: Stage | FusedLoop) -> str:
+    """A stage, or a fused loop with its members and their repair terms."""
     if isinstance(node, Stage):
         return format_stage(node)
     head = f"{node.mode} loop over {node.axis}"

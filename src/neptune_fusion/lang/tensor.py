@@ -30,7 +30,6 @@ from neptune_fusion.ir.expr import (
     Reduce,
     Unary,
     Where,
-    as_expr,
 )
 
 
@@ -62,6 +61,7 @@ class Dim:
 
 
 def unify(a: Dim, b: Dim, where: str) -> None:
+    """Record that two dims are the same axis; ValueError (naming `where`) if their sizes differ."""
     ra, rb = a.find(), b.find()
     if ra is rb:
         return
@@ -342,6 +342,7 @@ def _result_kind(op: str, kinds: Sequence[str]) -> str:
 
 
 def binary(op: str, a: TensorLike, b: TensorLike) -> SymTensor:
+    """Elementwise `op(a, b)` with broadcasting."""
     tracer = _tracer_of(a, b)
     ta, tb = lift(a, tracer), lift(b, tracer)
     dims, (ea, eb) = broadcast([ta, tb], op)
@@ -349,6 +350,7 @@ def binary(op: str, a: TensorLike, b: TensorLike) -> SymTensor:
 
 
 def unary(op: str, x: TensorLike) -> SymTensor:
+    """Elementwise `op(x)`."""
     tracer = _tracer_of(x)
     tx = lift(x, tracer)
     return SymTensor(tx.dims, Unary(op, tx.expr), tracer, _result_kind(op, (tx.kind,)))
@@ -379,6 +381,7 @@ def dtype_name(dtype: object) -> str:
 
 
 def cast(x: SymTensor, dtype: object) -> SymTensor:
+    """`x` converted to `dtype` (torch dtype or name); an output cast to a float dtype is stored in it."""
     name = dtype_name(dtype)
     kind = "bool" if name == "bool" else ("int" if name.startswith("i") else "float")
     return SymTensor(x.dims, Cast(x.expr, name), x.tracer, kind)
@@ -488,9 +491,6 @@ def index(x: SymTensor, axis: int) -> SymTensor:
 
 inf = math.inf
 
-
-def scalar_expr(value: Scalar) -> Expr:
-    return as_expr(value)
 
 
 def _load(name: str, dims: tuple[Dim | None, ...]) -> Load:

@@ -157,6 +157,7 @@ def gather(source: SymTensor, key: Any) -> SymTensor:
 
 
 def getitem(self: Any, key: Any) -> SymTensor:
+    """`tensor[index...]` where an index is symbolic: a gather from a captured tensor or an input."""
     if isinstance(self, torch.Tensor):
         keys = key if isinstance(key, tuple) else (key,)
         sym = next(k for k in keys if isinstance(k, SymTensor))

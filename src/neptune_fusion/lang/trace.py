@@ -22,7 +22,6 @@ from neptune_fusion.ir.expr import (
     Load,
     Param,
     Reduce,
-    rebuild,
     transform_bottom_up,
 )
 from neptune_fusion.ir.program import InputBuffer, OutputSpec, Program, Stage
@@ -287,6 +286,3 @@ def program(fn: Callable[..., Any]) -> ProgramDef:
     """
     return ProgramDef(fn)
 
-
-def rebuild_expr(expr: Expr, kids: tuple[Expr, ...]) -> Expr:
-    return rebuild(expr, kids)

@@ -45,6 +45,7 @@ SHARED_MEMORY_BUDGET = 200 * 1024  # of the H100/H200's 227 KB per block, leavin
 
 
 def interpreter_mode() -> bool:
+    """True when kernels run under Triton's interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 

@@ -49,6 +49,7 @@ _TORCH_DTYPES = {
 
 
 def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype for our short name ('f16' -> torch.float16)."""
     return _TORCH_DTYPES[name]
 
 

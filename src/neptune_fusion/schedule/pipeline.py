@@ -34,6 +34,8 @@ from neptune_fusion.transform.split_k import split_k_update
 
 @dataclass(frozen=True)
 class Step:
+    """One named pass of the pipeline and the program it produced (what `explain` prints)."""
+
     name: str
     program: Program
 

@@ -18,6 +18,8 @@ from typing import Any, Union
 
 @dataclass(frozen=True)
 class TVal:
+    """A tile value: name, the tile axes it varies along (canonical order) and element dtype."""
+
     name: str
     axes: tuple[str, ...]
     dtype: str
@@ -41,6 +43,8 @@ class Op:
 
 @dataclass
 class Store:
+    """Write `value` at `buffer + base + offsets` where `mask` holds."""
+
     buffer: str
     base: TVal  # scalar (per-program) offset
     offsets: TVal

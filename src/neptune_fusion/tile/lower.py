@@ -57,6 +57,9 @@ FLOAT_DTYPES = ("f32", "f16", "bf16")
 
 @dataclass(frozen=True)
 class AxisRoles:
+    """What each axis is in a kernel: tiled rows, the reduced (loop) axis, program-id batch axes,
+    head-dim axes held whole, and axes only outputs have."""
+
     row: str
     col: str
     batch: tuple[str, ...]
@@ -92,6 +95,7 @@ class LoweringConfig:
 
 
 def fused_loop_of(program: Program) -> FusedLoop:
+    """The single FusedLoop of a fused program (UnsupportedProgramError otherwise)."""
     loops = [n for n in program.stages if isinstance(n, FusedLoop)]
     if len(loops) != 1:
         raise UnsupportedProgramError("tile lowering", program.name, "program",
