@@ -244,3 +244,11 @@ def test_autotune_times_candidates_and_remembers(tmp_path, monkeypatch):
     fn2 = nf.compile(causal_attention, schedule=nf.autotune())
     _check(fn2(q, k, v, scale=0.2), _torch_attention(q, k, v, 0.2, mask=idx[:, None] >= idx[None, :]), torch.float32)
     assert tuner.last_report == []  # the remembered choice was used, nothing timed again
+
+
+def test_non_finite_scalars_are_refused_on_every_call():
+    q, k, v = _qkv(1, 1, 16, 16, 16, torch.float32)
+    fn = nf.compile(attention)
+    fn(q, k, v, scale=0.1)
+    with pytest.raises(ValueError, match="finite"):
+        fn(q, k, v, scale=float("nan"))

@@ -402,8 +402,13 @@ class Compiled:
             if masks is not None:
                 outputs.update(block_map(fused, masks, roles, sizes, dict(zip(order, values)), exe.plan.block_row,
                                          exe.plan.block_col))
-            for launcher in launchers:
-                launcher(values, outputs)
+            if device.type == "cuda" and torch.cuda.current_device() != device.index:
+                with torch.cuda.device(device.index):  # kernels run on the inputs' GPU, not the current one
+                    for launcher in launchers:
+                        launcher(values, outputs)
+            else:
+                for launcher in launchers:
+                    launcher(values, outputs)
             results = [outputs[name].view(shape) for name, shape in views]
             return results[0] if len(results) == 1 else tuple(results)
 
@@ -491,7 +496,7 @@ class _FastLaunch:
             kernel = self.fn[self.grid](*args, **self.constexprs, num_warps=self.warps, num_stages=self.stages)
             if not interpreter_mode() and hasattr(kernel, "run") and hasattr(kernel, "packed_metadata"):
                 self.kernel = kernel
-                self.device = torch.cuda.current_device()
+                self.device = torch.cuda.current_device()  # the caller made the inputs' GPU current
             return
         k = self.kernel
         full = self.static.copy()
@@ -530,6 +535,8 @@ def _arg_key(value: Any) -> Any:
     if isinstance(value, int) and not isinstance(value, bool):
         return (int, value == 1, value % 16 == 0)
     if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"scalar parameters must be finite, got {value}")
         return (float, value > 0)  # kernels are specialised on positive scale factors
     return type(value)
 
