@@ -1,0 +1,95 @@
+"""Mask analysis promises, checked: skipped tiles are fully masked, unmasked tiles fully visible,
+and block maps are built once per mask input."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import math  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import neptune_fusion as nf  # noqa: E402
+import neptune_fusion.runtime.blockmap as blockmap  # noqa: E402
+from neptune_fusion.tile.inspect import loop_ranges  # noqa: E402
+
+N, BQ, BK, WINDOW = 256, 32, 16, 40
+
+
+@nf.program
+def window_attention(q, k, v, scale):
+    s = nf.einsum("bhqd,bhkd->bhqk", q, k) * scale
+    i, j = nf.index(s, -2), nf.index(s, -1)
+    s = nf.where((i >= j) & (i - j < WINDOW), s, -nf.inf)
+    p = nf.exp(s - s.max(axis=-1, keepdims=True))
+    return nf.einsum("bhqk,bhkd->bhqd", p, v) / p.sum(axis=-1, keepdims=True)
+
+
+def test_sliding_window_visits_only_tiles_inside_the_window():
+    q, k, v = (torch.randn(1, 2, N, 16) for _ in range(3))
+    fn = nf.compile(window_attention, schedule=nf.flash(block_q=BQ, block_k=BK))
+    named = dict(fn.program_def.bind(q, k, v, 0.25))
+    exe = fn.executable_for(fn.program_def.trace(**named), named)
+    rows, cols = torch.arange(N)[:, None], torch.arange(N)[None, :]
+    visible = (rows >= cols) & (rows - cols < WINDOW)
+    n_tiles = math.ceil(N / BQ)
+    total_visited = 0
+    for pid in range(n_tiles):
+        tile = n_tiles - 1 - pid  # programs take row tiles from the last one
+        block = visible[tile * BQ:(tile + 1) * BQ]
+        needed = {c // BK for c in range(N) if block[:, c].any()}
+        full = {t for t in needed if block[:, t * BK:(t + 1) * BK].all()}
+        visited, unmasked = set(), set()
+        for start, stop, comment in loop_ranges(exe.main.tile, (pid, 0, 0), {"q": N, "k": N, "b": 1, "h": 2}):
+            tiles = set(range(start // BK, math.ceil(stop / BK))) if stop > start else set()
+            assert not (visited & tiles), "a tile visited twice"
+            visited |= tiles
+            if "no mask" in comment:
+                unmasked |= tiles
+        assert visited == needed, f"row tile {tile}: visits {sorted(visited)}, window needs {sorted(needed)}"
+        assert unmasked <= full, "a tile run without mask arithmetic is not fully visible"
+        total_visited += len(visited)
+    assert total_visited < n_tiles * math.ceil(N / BK) / 2  # most tiles are skipped
+    out = fn(q, k, v, scale=0.25)
+    s = (q @ k.mT * 0.25).masked_fill(~visible, float("-inf"))
+    torch.testing.assert_close(out, torch.softmax(s, -1) @ v)
+
+
+def test_document_block_map_is_built_once_and_shared():
+    g = torch.Generator().manual_seed(0)
+    doc = torch.sort(torch.randint(0, 4, (96,), generator=g)).values
+
+    def same_document(b, h, q_idx, kv_idx):
+        return doc[q_idx] == doc[kv_idx]
+
+    q, k, v = (torch.randn(1, 2, 96, 16, generator=g) for _ in range(3))
+    before = blockmap.builds
+    for _ in range(3):
+        nf.attention(q, k, v, mask_mod=same_document)
+    assert blockmap.builds == before + 1
+    q2, k2, v2 = (torch.randn(1, 2, 96, 16, generator=g) for _ in range(3))  # another layer, same documents
+    nf.attention(q2, k2, v2, mask_mod=same_document)
+    assert blockmap.builds == before + 1
+    doc[:10] = 7  # the documents change in place: the map is rebuilt
+    out = nf.attention(q, k, v, mask_mod=same_document)
+    assert blockmap.builds == before + 2
+    mask = doc[:, None] == doc[None, :]
+    s = (q @ k.mT / 4.0).masked_fill(~mask, float("-inf"))
+    torch.testing.assert_close(out, torch.softmax(s, -1) @ v)
+
+
+@pytest.mark.parametrize("kind", ["prefix", "window_or_sink"])
+def test_unions_of_affine_regions_skip_tiles(kind):
+    """prefix-LM (kv < P | q >= kv) and attention sinks (kv < 4 | window) are unions of affine boxes."""
+    q, k, v = (torch.randn(1, 1, 128, 16) for _ in range(3))
+    masks = {
+        "prefix": lambda b, h, qi, ki: (ki < 20) | (qi >= ki),
+        "window_or_sink": lambda b, h, qi, ki: (ki < 4) | ((qi >= ki) & (qi - ki < 24)),
+    }
+    out = nf.attention(q, k, v, mask_mod=masks[kind], schedule=nf.flash(block_q=16, block_k=16))
+    qi, ki = torch.arange(128)[:, None], torch.arange(128)[None, :]
+    s = (q @ k.mT / 4.0).masked_fill(~masks[kind](None, None, qi, ki), float("-inf"))
+    torch.testing.assert_close(out, torch.softmax(s, -1) @ v)
