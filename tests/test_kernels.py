@@ -252,3 +252,14 @@ def test_non_finite_scalars_are_refused_on_every_call():
     fn(q, k, v, scale=0.1)
     with pytest.raises(ValueError, match="finite"):
         fn(q, k, v, scale=float("nan"))
+
+
+@pytest.mark.parametrize("schedule", [None, nf.split_k(splits=3)])
+def test_bfloat16_under_the_interpreter(schedule):
+    """The interpreter computes bf16 wrongly; tiles are converted to f32 after loading there."""
+    q, k, v = (t.bfloat16() for t in _qkv(1, 2, 64, 64, 32, torch.float32))
+    out = nf.compile(causal_attention, schedule=schedule)(q, k, v, scale=0.2)
+    idx = torch.arange(64)
+    expected = _torch_attention(q.float(), k.float(), v.float(), 0.2, mask=idx[:, None] >= idx[None, :])
+    assert out.dtype == torch.bfloat16
+    assert ((out.double() - expected).norm() / expected.norm()).item() < 1e-2

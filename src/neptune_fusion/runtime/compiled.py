@@ -283,8 +283,11 @@ class Compiled:
             dtypes = dict(dtypes)
             for kind in ("full", "partial"):
                 dtypes[f"{BLOCK_MAP_PREFIX}{kind}_count"] = dtypes[f"{BLOCK_MAP_PREFIX}{kind}_index"] = "i32"
+        # Triton's interpreter computes bfloat16 wrongly: there, tiles are converted to float32 after
+        # loading and multiplied in float32
+        dot_dtype = "f32" if interpreter and main_dtype == "bf16" else main_dtype
         config = LoweringConfig(dtypes, main_dtype, full_sizes, plan.block_row, plan.block_col, plan.num_warps,
-                                plan.num_stages, plan.splits, main_dtype, partial_outputs=plan.splits > 1,
+                                plan.num_stages, plan.splits, dot_dtype, partial_outputs=plan.splits > 1,
                                 block_map_axes=block_axes, tma_buffers=tma, positive_params=positive,
                                 warp_specialize=os.environ.get("NEPTUNE_FUSION_WS", "0") == "1" and not interpreter)
         target = "interpreter" if interpreter else "cuda"
