@@ -10,6 +10,7 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import math  # noqa: E402
 import random  # noqa: E402
 
 import pytest  # noqa: E402
@@ -105,3 +106,43 @@ def test_random_data_dependent_masks(seed):
     s = (q.double() @ k.double().mT) / 4.0
     p = torch.softmax(s.masked_fill(~visible, float("-inf")), -1).nan_to_num(0.0)
     torch.testing.assert_close(out.double(), p @ v.double(), rtol=1e-5, atol=1e-5, msg=kind)
+
+
+@pytest.mark.parametrize("seed", range(int(os.environ.get("NF_FUZZ_SEEDS", "16")) // 2))
+def test_random_score_mods_shapes_and_groups(seed):
+    """Score modifications, GQA ratios, decode-like and odd shapes, both templates, fp32/fp16."""
+    rng = random.Random(5000 + seed)
+    g = torch.Generator().manual_seed(seed)
+    hk = rng.choice([1, 2])
+    hq = hk * rng.choice([1, 2, 4])
+    lq, lk, d = rng.choice([1, 3, 17, 64]), rng.choice([23, 64, 130]), rng.choice([16, 24, 32])
+    dtype = rng.choice([torch.float32, torch.float16])
+    q = torch.randn(1, hq, lq, d, generator=g).to(dtype)
+    k, v = (torch.randn(1, hk, lk, d, generator=g).to(dtype) for _ in range(2))
+    slopes = torch.rand(hq, generator=g)
+    table = torch.randn(lq + lk, generator=g)
+    cap = rng.choice([5.0, 20.0])
+    kind = rng.choice(["alibi", "softcap", "table", "alibi_softcap", "none"])
+
+    def score_mod(s, b, h, qi, ki):
+        if kind in ("alibi", "alibi_softcap"):
+            s = s + slopes[h] * (ki - qi)
+        if kind in ("softcap", "alibi_softcap"):
+            s = cap * torch.tanh(s / cap)
+        if kind == "table":
+            s = s + table[qi - ki + lk]
+        return s
+
+    mask, _ = _random_mask(rng) if rng.random() < 0.5 else (None, "")
+    schedule = nf.split_k(splits=rng.randint(2, 4), block_k=16) if rng.random() < 0.4 else None
+    out = nf.attention(q, k, v, score_mod=score_mod, mask_mod=mask, enable_gqa=hq != hk, schedule=schedule)
+    kk, vv = k.double().repeat_interleave(hq // hk, 1), v.double().repeat_interleave(hq // hk, 1)
+    s = (q.double() @ kk.mT) / math.sqrt(d)
+    hi = torch.arange(hq)[None, :, None, None]
+    qi, ki = torch.arange(lq)[None, None, :, None], torch.arange(lk)[None, None, None, :]
+    s = score_mod(s, None, hi, qi, ki)
+    if mask is not None:
+        s = s.masked_fill(~mask(None, None, qi, ki), float("-inf"))
+    expected = torch.softmax(s, -1).nan_to_num(0.0) @ vv
+    tol = 1e-5 if dtype == torch.float32 else 5e-3
+    torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol, msg=f"{kind} {hq}/{hk} {lq}x{lk}x{d}")

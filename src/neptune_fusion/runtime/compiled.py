@@ -27,6 +27,7 @@ from neptune_fusion.algebra.repair import contribution_vanishes
 from neptune_fusion.analysis.masks import MaskInfo, analyze_masks
 from neptune_fusion.codegen.triton_source import generate
 from neptune_fusion.ir.errors import FusionError
+from neptune_fusion.ir.expr import free_axes
 from neptune_fusion.ir.program import FusedLoop, Program
 from neptune_fusion.lang.tensor import dtype_name
 from neptune_fusion.lang.trace import ProgramDef
@@ -147,6 +148,10 @@ def _fuse_cached(program: Program, splits: int) -> tuple[Step, ...]:
 def _choose_layout(fused: Program, sizes: dict[str, int]) -> tuple[Program, tuple[str, str, int] | None]:
     """Pack the query heads of a KV group into one program when rows are few (decode)."""
     roles = assign_roles(fused)
+    int_params = {p for p, k in fused.param_kinds.items() if k == "int"}
+    masks = analyze_masks(fused_loop_of(fused), roles.row, int_params, contribution_vanishes)
+    if any(roles.row in free_axes(m.node.cond) for m in masks.masks):
+        return fused, None  # packing would turn a mask affine in the rows into one needing a block map
     for axis in roles.batch:
         group = group_divisor(fused, axis, roles.col)
         if group is not None and sizes[roles.row] * group <= 64:
