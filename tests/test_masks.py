@@ -28,13 +28,25 @@ def window_attention(q, k, v, scale):
     return nf.einsum("bhqk,bhkd->bhqd", p, v) / p.sum(axis=-1, keepdims=True)
 
 
-def test_sliding_window_visits_only_tiles_inside_the_window():
+@nf.program
+def sink_window_attention(q, k, v, scale):
+    s = nf.einsum("bhqd,bhkd->bhqk", q, k) * scale
+    i, j = nf.index(s, -2), nf.index(s, -1)
+    s = nf.where((j < 4) | ((i >= j) & (i - j < WINDOW)), s, -nf.inf)  # attention sink + window
+    p = nf.exp(s - s.max(axis=-1, keepdims=True))
+    return nf.einsum("bhqk,bhkd->bhqd", p, v) / p.sum(axis=-1, keepdims=True)
+
+
+@pytest.mark.parametrize("program", [window_attention, sink_window_attention])
+def test_masked_kernels_visit_exactly_the_tiles_they_need(program):
     q, k, v = (torch.randn(1, 2, N, 16) for _ in range(3))
-    fn = nf.compile(window_attention, schedule=nf.flash(block_q=BQ, block_k=BK))
+    fn = nf.compile(program, schedule=nf.flash(block_q=BQ, block_k=BK))
     named = dict(fn.program_def.bind(q, k, v, 0.25))
     exe = fn.executable_for(fn.program_def.trace(**named), named)
     rows, cols = torch.arange(N)[:, None], torch.arange(N)[None, :]
     visible = (rows >= cols) & (rows - cols < WINDOW)
+    if program is sink_window_attention:
+        visible = visible | (cols < 4)
     n_tiles = math.ceil(N / BQ)
     total_visited = 0
     for pid in range(n_tiles):
@@ -47,7 +59,7 @@ def test_sliding_window_visits_only_tiles_inside_the_window():
             tiles = set(range(start // BK, math.ceil(stop / BK))) if stop > start else set()
             assert not (visited & tiles), "a tile visited twice"
             visited |= tiles
-            if "no mask" in comment:
+            if "no mask arithmetic" in comment:
                 unmasked |= tiles
         assert visited == needed, f"row tile {tile}: visits {sorted(visited)}, window needs {sorted(needed)}"
         assert unmasked <= full, "a tile run without mask arithmetic is not fully visible"

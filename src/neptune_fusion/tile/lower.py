@@ -642,46 +642,74 @@ class KernelBuilder:
         zero = self.const(0)
         ctx = _Ctx({}, {}, {}, {}, False)
         boxes = self.masks.boxes()
-        any_lo = any_hi = full_lo = full_hi = None
-        for box in boxes:
-            b_lo, b_hi, b_flo, b_fhi = self._box_bounds(box, r0, r1, n, ctx)
-            if any_lo is None:
-                any_lo, any_hi, full_lo, full_hi = b_lo, b_hi, b_flo, b_fhi
-                continue
-            # an empty box (lo >= hi) must not widen the hull
-            empty = self.bin("ge", b_lo, b_hi)
-            any_lo = self.bin("min", any_lo, self.op("where", (), "i32", (empty, n, b_lo)))
-            any_hi = self.bin("max", any_hi, self.op("where", (), "i32", (empty, zero, b_hi)))
-            full_lo, full_hi = self._merge_full(full_lo, full_hi, b_flo, b_fhi)
-        assert any_lo is not None and any_hi is not None and full_lo is not None and full_hi is not None
+        bounds = [self._box_bounds(box, r0, r1, n, ctx) for box in boxes]
         if self.config.splits > 1:
             pid_s = self.op("program_id", (), "i32", prefix="pid", dim=2)
             per = self.op("cdiv", (), "i32", (n,), prefix="per", block="SPLITS")
             chunk = self.bin("mul", self.op("cdiv", (), "i32", (per,), prefix="chunk", block="BLOCK_C"), bc)
             c_lo = self.bin("mul", pid_s, chunk)
             c_hi = self.bin("min", self.bin("add", c_lo, chunk), n)
-            any_lo = self.bin("max", any_lo, c_lo)
-            any_hi = self.bin("min", any_hi, c_hi)
-        full_hi = self.bin("min", full_hi, any_hi)
-        start = self.bin("mul", self.bin("floordiv", any_lo, bc), bc)
-        stop = self.bin("max", any_hi, start)
-        stop_aligned = self.bin("mul", self.op("cdiv", (), "i32", (stop,), prefix="nt", block="BLOCK_C"), bc)
-        fs = self.bin("mul", self.op("cdiv", (), "i32", (self.bin("max", full_lo, zero),), prefix="fs", block="BLOCK_C"), bc)
-        fs = self.bin("min", self.bin("max", fs, start), stop_aligned)
-        fe = self.bin("mul", self.bin("floordiv", self.bin("max", full_hi, zero), bc), bc)
-        fe = self.bin("min", self.bin("max", fe, fs), stop_aligned)
+            bounds = [(self.bin("max", lo, c_lo), self.bin("min", hi, c_hi), flo, fhi) for lo, hi, flo, fhi in bounds]
         if not self.masks.masks:
             self.config.notes.append(f"no mask: tiles [0, {n.name}) visited; only the last partial tile is masked")
         else:
-            boxes = " OR ".join("(" + " AND ".join(f"{c.row_coeff}*row + {c.col_coeff}*col + c >= 0" for c in box) + ")"
-                                for box in self.masks.boxes())
-            self.config.notes.append(f"affine mask region {boxes}: tiles outside it are skipped, "
+            text = " OR ".join("(" + " AND ".join(f"{c.row_coeff}*row + {c.col_coeff}*col + c >= 0" for c in box) + ")"
+                               for box in boxes)
+            self.config.notes.append(f"affine mask region {text}: tiles outside it are skipped, "
                                      "tiles inside it run without mask arithmetic")
+        if len(bounds) == 2:
+            return self._two_box_segments(bounds)
+        if len(bounds) == 1:
+            any_lo, any_hi, full_lo, full_hi = bounds[0]
+        else:
+            # the hull of the non-empty boxes (an empty one, lo >= hi, must not widen it)
+            far = self.const(1 << 30)
+            any_lo, any_hi = far, zero
+            full_lo, full_hi = bounds[0][2], bounds[0][3]
+            for i, (b_lo, b_hi, b_flo, b_fhi) in enumerate(bounds):
+                empty = self.bin("ge", b_lo, b_hi)
+                any_lo = self.bin("min", any_lo, self.op("where", (), "i32", (empty, far, b_lo)))
+                any_hi = self.bin("max", any_hi, self.op("where", (), "i32", (empty, zero, b_hi)))
+                if i:
+                    full_lo, full_hi = self._merge_full(full_lo, full_hi, b_flo, b_fhi)
+        start, stop = self._aligned(any_lo, any_hi)
+        return self._segments(start, stop, full_lo, self.bin("min", full_hi, any_hi), "")
+
+    def _aligned(self, lo: TVal, hi: TVal) -> tuple[TVal, TVal]:
+        """[lo, hi) widened to whole tiles; an empty range stays empty."""
+        bc = TVal("BLOCK_C", (), "i32")
+        start = self.bin("mul", self.bin("floordiv", self.bin("max", lo, self.const(0)), bc), bc)
+        stop = self.bin("mul", self.op("cdiv", (), "i32", (self.bin("max", hi, start),), prefix="nt", block="BLOCK_C"), bc)
+        return start, stop
+
+    def _segments(self, start: TVal, stop: TVal, full_lo: TVal, full_hi: TVal,
+                  label: str) -> list[tuple[TVal, TVal, bool, str]]:
+        """Tile-aligned [start, stop) split into masked / fully visible / masked loops."""
+        bc, zero = TVal("BLOCK_C", (), "i32"), self.const(0)
+        fs = self.bin("mul", self.op("cdiv", (), "i32", (self.bin("max", full_lo, zero),), prefix="fs", block="BLOCK_C"), bc)
+        fs = self.bin("min", self.bin("max", fs, start), stop)
+        fe = self.bin("mul", self.bin("floordiv", self.bin("max", full_hi, zero), bc), bc)
+        fe = self.bin("min", self.bin("max", fe, fs), stop)
         return [
-            (start, fs, True, "tiles that need masks (before the fully visible range)"),
-            (fs, fe, False, "fully visible tiles: no mask arithmetic"),
-            (fe, stop, True, "tiles that need masks (after the fully visible range)"),
+            (start, fs, True, f"tiles that need masks{label} (before the fully visible range)"),
+            (fs, fe, False, f"fully visible tiles{label}: no mask arithmetic"),
+            (fe, stop, True, f"tiles that need masks{label} (after the fully visible range)"),
         ]
+
+    def _two_box_segments(self, bounds: list[tuple[TVal, TVal, TVal, TVal]]) -> list[tuple[TVal, TVal, bool, str]]:
+        """A union of two boxes (attention sink + window, prefix-LM): the tiles of the first box, then
+        those of the second outside the first. Tiles in the gap between them are never visited."""
+        (a_lo, a_hi, a_flo, a_fhi), (b_lo, b_hi, b_flo, b_fhi) = bounds
+        a_start, a_stop = self._aligned(a_lo, a_hi)
+        b_start, b_stop = self._aligned(b_lo, b_hi)
+        empty_a = self.bin("ge", a_lo, a_hi)
+        a_stop = self.op("where", (), "i32", (empty_a, a_start, a_stop))
+        out = self._segments(a_start, a_stop, a_flo, self.bin("min", a_fhi, a_hi), " of the first region")
+        before = (b_start, self.bin("max", self.bin("min", b_stop, a_start), b_start))
+        after = (self.bin("min", self.bin("max", b_start, a_stop), b_stop), b_stop)
+        for p0, p1 in (before, after):
+            out += self._segments(p0, p1, b_flo, self.bin("min", b_fhi, b_hi), " of the second region")
+        return out
 
     def _box_bounds(self, box: tuple, r0: TVal, r1: TVal, n: TVal, ctx: _Ctx) -> tuple[TVal, TVal, TVal, TVal]:
         """(any_lo, any_hi, full_lo, full_hi) of the loop axis for one box of affine constraints."""
