@@ -60,13 +60,18 @@ def _condition(program: Program, masks: MaskInfo) -> tuple[Expr, tuple[str, ...]
 
 
 def block_map(program: Program, masks: MaskInfo, roles: AxisRoles, sizes: dict[str, int], args: dict[str, Any],
-              block_row: int, block_col: int) -> dict[str, torch.Tensor]:
-    """Tile lists for the kernel: counts and indices of full and partial column tiles per row tile."""
+              block_row: int, block_col: int, static_key: Any = None) -> dict[str, torch.Tensor]:
+    """Tile lists for the kernel: counts and indices of full and partial column tiles per row tile.
+
+    `static_key` (what does not change between calls of one launcher: program, sizes, blocks) may be
+    passed precomputed; only the tensors and parameters the mask reads are looked at per call.
+    """
     global builds
     cond, reads, params = _condition(program, masks)
-    key = (program.fingerprint(), tuple(sorted(sizes.items())), block_row, block_col,
-           tuple((n, args[n].data_ptr(), args[n]._version, tuple(args[n].shape)) for n in reads),
-           tuple((p, args[p]) for p in params))
+    if static_key is None:
+        static_key = (program.fingerprint(), tuple(sorted(sizes.items())), block_row, block_col)
+    key = (static_key, tuple((args[n].data_ptr(), args[n]._version, args[n].shape) for n in reads),
+           tuple(args[p] for p in params))
     if key in _CACHE:
         _CACHE.move_to_end(key)
         return _CACHE[key]

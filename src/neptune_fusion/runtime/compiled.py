@@ -403,13 +403,14 @@ class Compiled:
         launchers = [_FastLaunch(*plan) for plan in plans]
         masks = exe.masks
         roles = assign_roles(fused)
+        map_key = (fused.fingerprint(), tuple(sorted(sizes.items())), exe.plan.block_row, exe.plan.block_col)
 
         def run(values: list[Any]) -> Any:
             outputs = {name: torch.empty(shape, dtype=out_dtypes[name], device=device)
                        for name, shape in out_shapes.items()}
             if masks is not None:
                 outputs.update(block_map(fused, masks, roles, sizes, dict(zip(order, values)), exe.plan.block_row,
-                                         exe.plan.block_col))
+                                         exe.plan.block_col, map_key))
             if device.type == "cuda" and torch.cuda.current_device() != device.index:
                 with torch.cuda.device(device.index):  # kernels run on the inputs' GPU, not the current one
                     for launcher in launchers:
