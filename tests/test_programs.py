@@ -163,3 +163,28 @@ def test_reductions_across_programs_are_refused_not_miscomputed():
         a, b = nf.compile(two_axes, allow_fallback=True)(x)
     torch.testing.assert_close(b, x.max(0).values)
     torch.testing.assert_close(a, torch.exp(x - x.max(-1, keepdim=True).values).sum(-1))
+
+
+@pytest.mark.parametrize("schedule", [None, nf.split_k(splits=4)])
+def test_probabilities_and_logsumexp_together(schedule):
+    @nf.program
+    def probs_and_lse(x):
+        m = x.max(axis=-1, keepdims=True)
+        e = nf.exp(x - m)
+        total = e.sum(axis=-1, keepdims=True)
+        return e / total, (m + nf.log(total))[..., 0]
+
+    x = randn(5, 300) * 3
+    p, lse = nf.compile(probs_and_lse, schedule=schedule)(x)
+    torch.testing.assert_close(p, torch.softmax(x, -1))
+    torch.testing.assert_close(lse, torch.logsumexp(x, -1))
+
+
+def test_softmax_over_a_middle_axis():
+    @nf.program
+    def softmax_mid(x):
+        e = nf.exp(x - x.max(axis=1, keepdims=True))
+        return e / e.sum(axis=1, keepdims=True)
+
+    x = randn(3, 50, 7)
+    torch.testing.assert_close(nf.compile(softmax_mid)(x), torch.softmax(x, 1))
