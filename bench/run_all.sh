@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Every benchmark of DESIGN.md section 5 in one device call (about 8 minutes on the H200), each
+# correct against fp32 and timed against its baselines in the same run. Results land in $OUT
+# (or bench/results): copy them into bench/results/ and commit them.
+#   device: bash bench/run_all.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD/src:$PWD" PYTHONUNBUFFERED=1
+OUT="${OUT:-bench/results}"
+mkdir -p "$OUT"
+timeout 150 python3 bench/prefill.py --seqs 1024 4096 16384 2>&1 | grep -v Warn | tee "$OUT/prefill_log.txt"
+timeout 150 python3 bench/decode.py 2>&1 | grep -E "^dc_|wrote|Error" | tee "$OUT/decode_log.txt"
+timeout 180 python3 bench/flex_ops.py --seqs 4096 16384 2>&1 | grep -E "^pf_|wrote|FAILED" | tee "$OUT/flex_log.txt"
