@@ -116,6 +116,7 @@ def _distributes(h: object, t: object, reducer: str) -> tuple[bool, str]:
     return False, f"unknown reducer {reducer!r}"
 
 
+@functools.lru_cache(maxsize=1024)
 def contribution_vanishes(g: Expr, masked: Expr, value: float, identity: float, producers: tuple[str, ...]) -> bool:
     """True when g, with the subexpression `masked` set to `value` (+-inf), equals the reducer identity.
 
@@ -131,7 +132,7 @@ def contribution_vanishes(g: Expr, masked: Expr, value: float, identity: float, 
         return False
     inf = -S.NEG_INF
     try:
-        at = S.limit_value(sym.subs(table.old(marker), -inf if value < 0 else inf))
+        at = S.simplify(sym.subs(table.old(marker), -inf if value < 0 else inf))
     except Exception:  # noqa: BLE001 - sympy raises many types on undefined forms
         return False
     if identity == 0:

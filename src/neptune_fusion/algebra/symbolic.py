@@ -186,10 +186,6 @@ def derivative(value: sp.Expr, symbol: sp.Symbol) -> sp.Expr:
     return sp.diff(value, symbol)
 
 
-def limit_value(value: sp.Expr) -> sp.Expr:
-    """`value` after substitution of infinities, simplified (0 for exp(-oo), ...)."""
-    return sp.simplify(value)
-
 
 def symbol(name: str) -> sp.Symbol:
     """A real SymPy symbol."""

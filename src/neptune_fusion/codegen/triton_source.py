@@ -79,7 +79,6 @@ class _Printer:
         self.kernel = kernel
         self.target = target
         self.lines: list[str] = []
-        self.scalar_ops: set[str] = set()
 
     def shape(self, axes: tuple[str, ...]) -> str:
         return "[" + ", ".join(self.kernel.block_sizes[a] for a in axes) + "]"

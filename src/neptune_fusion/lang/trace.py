@@ -246,10 +246,10 @@ class ProgramDef:
         return self.trace_specs(specs)
 
     def trace_specs(self, specs: tuple[ArgSpec, ...]) -> Program:
-        key = tuple(ArgSpec(s.name, _shape_key(s.shape), s.kind) for s in specs)
-        if key not in self._cache:
-            self._cache[key] = trace(self.fn, specs, self.name)
-        return self._cache[key]
+        # keyed by exact shapes: a trace can depend on sizes (programs read x.shape)
+        if specs not in self._cache:
+            self._cache[specs] = trace(self.fn, specs, self.name)
+        return self._cache[specs]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the program eagerly, unfused (with the executor the runtime layer registers)."""
@@ -268,10 +268,6 @@ def set_eager_executor(executor: Callable[[Program, dict[str, Any]], Any]) -> No
     global _EAGER_EXECUTOR
     _EAGER_EXECUTOR = executor
 
-
-def _shape_key(shape: tuple[int, ...] | None) -> tuple[int, ...] | None:
-    # A trace depends on sizes only through which dims are 1 (broadcast) and which match.
-    return shape
 
 
 def program(fn: Callable[..., Any]) -> ProgramDef:

@@ -291,7 +291,7 @@ class Compiled:
         # Triton's interpreter computes bfloat16 wrongly: there, tiles are converted to float32 after
         # loading and multiplied in float32
         dot_dtype = "f32" if interpreter and main_dtype == "bf16" else main_dtype
-        config = LoweringConfig(dtypes, main_dtype, full_sizes, plan.block_row, plan.block_col, plan.num_warps,
+        config = LoweringConfig(dtypes, full_sizes, plan.block_row, plan.block_col, plan.num_warps,
                                 plan.num_stages, plan.splits, dot_dtype, partial_outputs=plan.splits > 1,
                                 block_map_axes=block_axes, tma_buffers=tma, positive_params=positive,
                                 warp_specialize=os.environ.get("NEPTUNE_FUSION_WS", "0") == "1" and not interpreter)
@@ -311,7 +311,7 @@ class Compiled:
             # kernel it must tile rows as the main kernel does
             block_split = min(8, 1 << (plan.splits - 1).bit_length())
             block_rows = plan.block_row if fused_combine else combine_rows
-            cconfig = LoweringConfig(cdtypes, main_dtype, cfull, block_rows, block_split, plan.num_warps, 1, 1, "f32",
+            cconfig = LoweringConfig(cdtypes, cfull, block_rows, block_split, plan.num_warps, 1, 1, "f32",
                                      block_epilogue=32 if interpreter else 128)
             ctile = lower(cfused, cconfig, f"{name}_combine")
             if not fused_combine:
@@ -366,17 +366,13 @@ class Compiled:
             return lambda values: run_reference(program, dict(zip(order, values)), out_dtype=dtype)
         return self._launcher(exe, program, named, order)
 
-    def launch(self, exe: Executable, program: Program, named: dict[str, Any]) -> Any:
-        """Run compiled kernels on `named` arguments (no caching of the launcher)."""
-        order = list(named)
-        return self._launcher(exe, program, named, order)([named[n] for n in order])
-
     def _launcher(self, exe: Executable, program: Program, example: dict[str, Any],
                   order: list[str]) -> Callable[[list[Any]], Any]:
         sizes = axis_extents(exe.main.program, example)
         device = example[program.inputs[0].name].device
         out_dtype = next(example[b.name].dtype for b in program.inputs if example[b.name].is_floating_point())
         fused = exe.main.program
+        roles = assign_roles(fused)
         out_shapes = {spec.stage: [sizes[a] for a in fused.stage(spec.stage).axes] for spec in fused.outputs}
         # an output whose value is cast to a float dtype (`x.to(torch.float32)`) is stored in it
         out_dtypes = {name: _declared_dtype(fused.stage(name).body, out_dtype) for name in out_shapes}
@@ -384,25 +380,19 @@ class Compiled:
         scratch: dict[str, torch.Tensor] = {}
         if exe.plan.splits > 1:
             loop = next(n for n in fused.stages if isinstance(n, FusedLoop))
-            roles = assign_roles(fused)
             counters = math.ceil(sizes[roles.row] / exe.plan.block_row) * math.prod(sizes[a] for a in roles.batch)
             scratch = self._scratch_for(loop, sizes, exe.plan.splits, device, counters)
         position = {name: i for i, name in enumerate(order)}
         csizes = dict(sizes)
         csizes[SPLIT_AXIS] = exe.plan.splits
-        kernels = [(exe.main, csizes, exe.combine is None)]
-        if exe.combine is not None:
-            kernels.append((exe.combine, csizes, True))
+        kernels = [exe.main] if exe.combine is None else [exe.main, exe.combine]
         extras: dict[str, torch.Tensor] = {}
         if exe.masks is not None:
-            extras = block_map(fused, exe.masks, assign_roles(fused), sizes, example, exe.plan.block_row,
-                               exe.plan.block_col)
-        plans = [self._arg_plan(k, s, position, scratch, example, out_shapes, writes_outputs, extras)
-                 for k, s, writes_outputs in kernels]
+            extras = block_map(fused, exe.masks, roles, sizes, example, exe.plan.block_row, exe.plan.block_col)
+        plans = [self._arg_plan(k, csizes, position, scratch, example, out_shapes, extras) for k in kernels]
 
         launchers = [_FastLaunch(*plan) for plan in plans]
         masks = exe.masks
-        roles = assign_roles(fused)
         map_key = (fused.fingerprint(), tuple(sorted(sizes.items())), exe.plan.block_row, exe.plan.block_col)
 
         def run(values: list[Any]) -> Any:
@@ -425,7 +415,7 @@ class Compiled:
 
     def _arg_plan(self, launch: KernelLaunch, sizes: dict[str, int], position: dict[str, int],
                   scratch: dict[str, torch.Tensor], example: dict[str, Any], out_shapes: dict[str, list[int]],
-                  writes_outputs: bool, extras: dict[str, torch.Tensor]) -> tuple[Any, ...]:
+                  extras: dict[str, torch.Tensor]) -> tuple[Any, ...]:
         """How to build each kernel argument from the call's values (resolved once per shape)."""
         tile = launch.tile
         getters: list[Callable[[list[Any], dict[str, torch.Tensor]], Any]] = []

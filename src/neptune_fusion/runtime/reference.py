@@ -110,7 +110,7 @@ class _Evaluator:
 
     def eval(self, expr: Expr, frame: list[str]) -> torch.Tensor:
         if expr in self.placeholders:
-            return self._to_frame(self.placeholders[expr], frame)
+            return self.placeholders[expr]
         if isinstance(expr, Const):
             v = expr.value
             if isinstance(v, bool):
@@ -198,18 +198,14 @@ class _Evaluator:
             scale = 1.0
         out_letters = "".join(ch for ch in letters[:-1] if ch in sa or ch in sb)
         res = torch.einsum(f"{sa},{sb}->{out_letters}", ta, tb) * scale
-        shape = [self._frame_size(frame, d) if letters[d] in out_letters else 1 for d in range(len(frame) - 1)]
+        shape = [self.axis_range(frame[d]).numel() if letters[d] in out_letters else 1 for d in range(len(frame) - 1)]
         return res.reshape(shape)
 
-    def _frame_size(self, frame: list[str], d: int) -> int:
-        return self.axis_range(frame[d]).numel()
 
     @staticmethod
     def _rank(t: torch.Tensor, rank: int) -> torch.Tensor:
         return t.view([1] * (rank - t.dim()) + list(t.shape)) if t.dim() < rank else t
 
-    def _to_frame(self, value: torch.Tensor, frame: list[str]) -> torch.Tensor:
-        return value
 
 
 _SAFE_VALUE = {"max": 0.0, "min": 0.0, "sum": 1.0}

@@ -10,7 +10,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from neptune_fusion.tile.ir import Loop, Op, TileKernel
@@ -44,12 +43,6 @@ def loop_ranges(kernel: TileKernel, pids: tuple[int, int, int], sizes: dict[str,
             continue  # depends on something only the device has (a pointer, a tile)
     return out
 
-
-def tiles_visited(kernel: TileKernel, pids: tuple[int, int, int], sizes: dict[str, int],
-                  params: dict[str, Any] | None = None) -> int:
-    """How many tiles of the loop axis program `pids` visits."""
-    block = kernel.constexprs["BLOCK_C"]
-    return sum(max(0, math.ceil((stop - start) / block)) for start, stop, _ in loop_ranges(kernel, pids, sizes, params))
 
 
 def _eval(op: Op, env: dict[str, Any], pids: tuple[int, int, int]) -> Any:

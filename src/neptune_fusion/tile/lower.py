@@ -76,7 +76,6 @@ class LoweringConfig:
     """Everything shape-dependent the lowering needs (resolved by the schedule)."""
 
     input_dtypes: dict[str, str]
-    output_dtype: str
     full_sizes: dict[str, int]
     block_row: int
     block_col: int
