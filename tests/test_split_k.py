@@ -184,3 +184,32 @@ def test_combine_in_the_main_kernel_or_its_own_launch(monkeypatch, fused):
     assert (exe.combine is None) == (fused == "1")
     counters = [d["__split_counter__"] for d in fn._scratch.values()]
     assert all(int(c.abs().sum()) == 0 for c in counters)
+
+
+@pytest.mark.parametrize("fused", ["1", "0"])
+def test_combine_tiles_that_loop_over_splits(monkeypatch, fused):
+    """A combine tile too small for all splits at once loops over them (separate launch: with row
+    blocks of one row; fused: with the main kernel's rows); both agree with torch."""
+    from neptune_fusion.runtime import compiled
+
+    monkeypatch.setenv("NEPTUNE_FUSION_FUSED_COMBINE", fused)
+    monkeypatch.setattr(compiled, "COMBINE_TILE_ELEMENTS", 64)
+    q, k, v, slopes = _inputs(8, 2, 3, 300, 16, torch.float32, seed=7)
+    fn = nf.compile(decode_program(), schedule=nf.split_k(splits=9, block_k=16))
+    expected = torch_decode(q, k, v, slopes, 0.2, "plain")
+    assert _rel(fn(q, k, v, slopes, 0.2), expected) < 2e-5
+    named = dict(fn.program_def.bind(q, k, v, slopes, 0.2))
+    exe = fn.executable_for(fn.program_def.trace(**named), named)
+    assert exe.combine_tile.constexprs["BLOCK_C"] < 16  # fewer than all (16, rounded) splits per tile
+
+
+def test_combine_tile_sizes():
+    from neptune_fusion.runtime.compiled import _combine_tiles
+    from neptune_fusion.schedule.auto import Plan
+
+    # separate launch: every split at once, rows shrunk to keep the tile in registers
+    assert _combine_tiles(Plan(16, 64, 4, 2, 64), 8, {"e": 128}, False) == (1, 64, 1)
+    assert _combine_tiles(Plan(16, 64, 4, 2, 17), 1, {"e": 128}, False) == (1, 32, 1)
+    assert _combine_tiles(Plan(16, 64, 4, 2, 4), 16, {"e": 64}, False) == (16, 4, 1)
+    # in the main kernel: the main kernel's rows, looping (pipelined) over the splits
+    assert _combine_tiles(Plan(16, 64, 4, 2, 64), 8, {"e": 128}, True) == (16, 4, 3)

@@ -215,6 +215,33 @@ def _install_allocator() -> None:
     triton.set_allocator(alloc)
 
 
+COMBINE_TILE_ELEMENTS = 8192  # fp32 values of one (row, split, feature) tile: 64 registers a thread at 4 warps
+
+
+def _combine_tiles(plan: Plan, rows: int, full_sizes: dict[str, int], fused: bool) -> tuple[int, int, int]:
+    """(row block, split block, pipeline stages) of the split-K combine.
+
+    The combine is elementwise math over a few partial states per row (no dot), bound by the
+    latency of its loads: a tile holding every split at once needs one round trip, and more,
+    smaller row blocks give more programs. Its 3-D (row, split, feature) tile must still fit in
+    registers. Run inside the main kernel it must tile rows as the main kernel does, so it loops
+    over splits and pipelines those loads instead.
+
+    Example:
+        >>> _combine_tiles(Plan(16, 64, 4, 2, 64), 8, {"e": 128}, False)
+        (1, 64, 1)
+    """
+    features = math.prod(1 << max(0, (n - 1).bit_length()) for n in full_sizes.values())
+    all_splits = 1 << (plan.splits - 1).bit_length()
+    if fused:
+        block_split = max(2, min(all_splits, COMBINE_TILE_ELEMENTS // (plan.block_row * features)))
+        return plan.block_row, block_split, 1 if block_split >= all_splits else 3
+    block_split = min(all_splits, 64, max(2, COMBINE_TILE_ELEMENTS // features))
+    block_rows = max(1, min(rows, COMBINE_TILE_ELEMENTS // (block_split * features)))
+    block_rows = 1 << (block_rows.bit_length() - 1)
+    return block_rows, block_split, 1 if block_split >= all_splits else 3
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -306,12 +333,8 @@ class Compiled:
             cfused = combine_steps[-1].program
             cdtypes = {b.name: ("f32" if b.name.startswith("part_") else dtypes[b.name]) for b in cprog.inputs}
             cfull = {a: full_sizes[a] for a in assign_roles(cfused).full}
-            # the combine reduces a few partial states per row with elementwise math (no dot), so small
-            # tiles keep its 3-D (row, split, head-dim) values in registers; run inside the main
-            # kernel it must tile rows as the main kernel does
-            block_split = min(8, 1 << (plan.splits - 1).bit_length())
-            block_rows = plan.block_row if fused_combine else combine_rows
-            cconfig = LoweringConfig(cdtypes, cfull, block_rows, block_split, plan.num_warps, 1, 1, "f32",
+            block_rows, block_split, cstages = _combine_tiles(plan, combine_rows, cfull, fused_combine)
+            cconfig = LoweringConfig(cdtypes, cfull, block_rows, block_split, plan.num_warps, cstages, 1, "f32",
                                      block_epilogue=32 if interpreter else 128)
             ctile = lower(cfused, cconfig, f"{name}_combine")
             if not fused_combine:
