@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from neptune_fusion.tile.ir import Assign, CombineTail, Loop, Op, Stmt, Store, TileKernel, TVal
+from neptune_fusion.tile.ir import Assign, CombineTail, If, Loop, Op, Stmt, Store, TileKernel, TVal
 
 TL_DTYPES = {"f32": "tl.float32", "f16": "tl.float16", "bf16": "tl.bfloat16", "i32": "tl.int32",
              "i64": "tl.int64", "bool": "tl.int1"}
@@ -162,6 +162,11 @@ class _Printer:
             elif isinstance(st, Store):
                 mask = f", mask={self.ref(st.mask, st.offsets.axes)}" if st.mask is not None else ""
                 self.lines.append(f"{indent}tl.store({st.buffer}_ptr + {st.base.name} + {st.offsets.name}, {st.value.name}{mask})")
+            elif isinstance(st, If):
+                if st.comment:
+                    self.lines.append(f"{indent}# {st.comment}")
+                self.lines.append(f"{indent}if {st.cond.name}:")
+                self.stmts(st.body, indent + "    ")
             elif isinstance(st, Loop):
                 if st.comment:
                     self.lines.append(f"{indent}# {st.comment}")
@@ -171,6 +176,8 @@ class _Printer:
                 if not st.body:
                     self.lines.append(f"{indent}    pass")
                 self.stmts(st.body, indent + "    ")
+                if st.peeled:
+                    self.lines.append(f"{indent}# last iteration ({st.var.name} = {st.stop.name})")
 
     def function(self) -> list[str]:
         k = self.kernel

@@ -38,6 +38,7 @@ from neptune_fusion.schedule.pipeline import SPLIT_AXIS, Step, combine_program, 
 from neptune_fusion.schedule.templates import Auto, Autotune, Schedule
 from neptune_fusion.tile.ir import TileKernel
 from neptune_fusion.tile.lower import BLOCK_MAP_PREFIX, COUNTER, LoweringConfig, assign_roles, fused_loop_of, lower
+from neptune_fusion.tile.pipeline import prefetch_first_dot
 from neptune_fusion.tile.resources import shared_memory_estimate
 from neptune_fusion.transform.layout import group_divisor, pack_groups
 
@@ -290,7 +291,7 @@ class Compiled:
                           full_sizes=full_sizes, dtype=main_dtype, num_sms=_num_sms(device), interpreter=interpreter,
                           can_split=not use_block_map)
         elif plan.splits > 1 and use_block_map:
-            plan = Plan(plan.block_row, plan.block_col, plan.num_warps, plan.num_stages, 1)
+            plan = Plan(plan.block_row, plan.block_col, plan.num_warps, plan.num_stages, 1, plan.prefetch_dot)
         _check_offsets(fused, roles, args)
         tma = _tma_buffers(program, args, device, interpreter)
         positive = frozenset(p for p in program.params if isinstance(args[p], float) and args[p] > 0)
@@ -352,6 +353,8 @@ class Compiled:
                 config.block_col //= 2
             config.notes = []
             tile = lower(fused, config, name)
+        if plan.prefetch_dot:
+            tile = prefetch_first_dot(tile)
         source = generate(tile, target, [ctile] if config.fused_combine is not None else None)
         main = KernelLaunch(tile, source, _load_kernel(source, name), fused)
         exe = Executable(steps, plan, main, combine, combine_steps, masks if use_block_map else None, ctile)

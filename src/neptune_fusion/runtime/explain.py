@@ -46,7 +46,8 @@ def explain(program: ProgramDef | Program | Compiled | Callable[..., Any], *args
         section(f"{i}. {step.name}", format_program(step.program))
     plan = exe.plan
     section("schedule", f"template {plan.template}: block_row={plan.block_row} block_col={plan.block_col} "
-                        f"num_warps={plan.num_warps} num_stages={plan.num_stages} splits={plan.splits}")
+                        f"num_warps={plan.num_warps} num_stages={plan.num_stages} splits={plan.splits} "
+                        f"prefetch_dot={plan.prefetch_dot}")
     section("tile program", format_tile_kernel(exe.main.tile))
     section("Triton source", exe.main.source)
     if exe.combine_tile is not None:

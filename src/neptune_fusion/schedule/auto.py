@@ -24,6 +24,7 @@ class Plan:
     num_warps: int
     num_stages: int
     splits: int
+    prefetch_dot: bool = False  # software-pipelined loops (tile/pipeline.py)
 
     @property
     def template(self) -> str:
@@ -56,6 +57,7 @@ def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: 
         warps = 8 if block_row >= 128 else 4
         stages = 3 if head <= 128 else 2
     splits = 1
+    prefetch = False
     if isinstance(schedule, SplitK):
         if not can_split:
             raise ValueError("split_k cannot be combined with a data-dependent mask (its block map lists "
@@ -77,16 +79,18 @@ def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: 
         block_col = schedule.block_k or block_col
         warps = schedule.num_warps or warps
         stages = schedule.num_stages or stages
+        if schedule.prefetch_dot is not None:
+            prefetch = schedule.prefetch_dot
     if splits > 1 and not interpreter and not (isinstance(schedule, (Flash, SplitK)) and schedule.block_q):
         block_row = _pow2_at_least(rows) if rows <= 64 else block_row
-    return Plan(block_row, block_col, warps, stages, splits)
+    return Plan(block_row, block_col, warps, stages, splits, prefetch)
 
 
 def candidates(plan: Plan, *, rows: int, cols: int, interpreter: bool, limit: int = 8) -> list[Plan]:
     """Plans worth timing around `plan` (the heuristic choice first)."""
     out = [plan]
 
-    def add(**changes: int) -> None:
+    def add(**changes: int | bool) -> None:
         p = Plan(**{**plan.__dict__, **changes})
         if p not in out and p.block_col <= max(16, _pow2_at_least(cols)) and p.block_row <= max(16, _pow2_at_least(rows)):
             out.append(p)
@@ -104,6 +108,8 @@ def candidates(plan: Plan, *, rows: int, cols: int, interpreter: bool, limit: in
         add(block_row=64, num_warps=4)
         add(num_warps=4 if plan.num_warps != 4 else 8)
         add(block_col=64 if plan.block_col != 64 else 128, num_stages=4)
+        add(prefetch_dot=not plan.prefetch_dot)
+        add(prefetch_dot=not plan.prefetch_dot, block_col=64 if plan.block_col != 64 else 128)
     if interpreter:
         out = out[:2]
     return out[:limit]

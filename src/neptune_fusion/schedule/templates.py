@@ -26,6 +26,7 @@ class Flash:
     block_k: int | None = None
     num_warps: int | None = None
     num_stages: int | None = None
+    prefetch_dot: bool | None = None  # issue each loop's first dot one tile ahead (tile/pipeline.py)
 
     def __post_init__(self) -> None:
         for name in ("block_q", "block_k"):
@@ -50,11 +51,12 @@ class SplitK:
     block_k: int | None = None
     num_warps: int | None = None
     num_stages: int | None = None
+    prefetch_dot: bool | None = None
 
     def __post_init__(self) -> None:
         if self.splits is not None and self.splits < 1:
             raise ValueError(f"splits must be >= 1, got {self.splits}")
-        Flash(self.block_q, self.block_k, self.num_warps, self.num_stages)
+        Flash(self.block_q, self.block_k, self.num_warps, self.num_stages, self.prefetch_dot)
 
 
 @dataclass(frozen=True)
@@ -83,15 +85,23 @@ Schedule = Flash | SplitK | Auto | Autotune
 
 
 def flash(block_q: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-          num_stages: int | None = None) -> Flash:
-    """The FlashAttention template: rolling update along the reduced axis."""
-    return Flash(block_q, block_k, num_warps, num_stages)
+          num_stages: int | None = None, prefetch_dot: bool | None = None) -> Flash:
+    """The FlashAttention template: rolling update along the reduced axis.
+
+    `prefetch_dot=True` software-pipelines the loop: the first dot of tile j+1 (the scores) is
+    issued before the rest of tile j, so the tensor cores work during the softmax.
+
+    Example:
+        >>> flash(block_q=128, block_k=64, prefetch_dot=True).block_k
+        64
+    """
+    return Flash(block_q, block_k, num_warps, num_stages, prefetch_dot)
 
 
 def split_k(splits: int | None = None, block_q: int | None = None, block_k: int | None = None,
-            num_warps: int | None = None, num_stages: int | None = None) -> SplitK:
+            num_warps: int | None = None, num_stages: int | None = None, prefetch_dot: bool | None = None) -> SplitK:
     """The FlashDecoding template: split the reduced axis over programs, merge with repairs."""
-    return SplitK(splits, block_q, block_k, num_warps, num_stages)
+    return SplitK(splits, block_q, block_k, num_warps, num_stages, prefetch_dot)
 
 
 def autotune(base: Flash | SplitK | Auto | None = None, max_candidates: int = 8) -> Autotune:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from neptune_fusion.tile.ir import Loop, Op, TileKernel
+from neptune_fusion.tile.ir import If, Loop, Op, Stmt, TileKernel
 
 _BINARY = {
     "add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
@@ -31,9 +31,20 @@ def loop_ranges(kernel: TileKernel, pids: tuple[int, int, int], sizes: dict[str,
     for name, value in (params or {}).items():
         env[f"param_{name}"] = value
     out: list[tuple[int, int, str]] = []
-    for st in kernel.body:
+    _walk(kernel.body, env, pids, out)
+    return out
+
+
+def _walk(stmts: list[Stmt], env: dict[str, Any], pids: tuple[int, int, int], out: list[tuple[int, int, str]]) -> None:
+    for st in stmts:
         if isinstance(st, Loop):
-            out.append((int(env[st.start.name]), int(env[st.stop.name]), st.comment))
+            # a peeled loop runs its last iteration after the loop: it covers one more step
+            stop = int(env[st.stop.name]) + (int(env.get(st.step, st.step)) if st.peeled else 0)
+            out.append((int(env[st.start.name]), stop, st.comment))
+            continue
+        if isinstance(st, If):
+            if env.get(st.cond.name, True):
+                _walk(st.body, env, pids, out)
             continue
         if not isinstance(st, Op) or st.out.axes:
             continue
@@ -41,7 +52,6 @@ def loop_ranges(kernel: TileKernel, pids: tuple[int, int, int], sizes: dict[str,
             env[st.out.name] = _eval(st, env, pids)
         except KeyError:
             continue  # depends on something only the device has (a pointer, a tile)
-    return out
 
 
 

@@ -71,6 +71,16 @@ class Loop:
     body: list[Stmt]
     comment: str = ""
     warp_specialize: bool = False
+    peeled: bool = False  # its last iteration (at `stop`) follows the loop as straight-line code
+
+
+@dataclass
+class If:
+    """`if cond: body` (a scalar condition; values rebound inside keep their new values after)."""
+
+    cond: TVal
+    body: list[Stmt]
+    comment: str = ""
 
 
 @dataclass
@@ -85,7 +95,7 @@ class CombineTail:
     splits: str
 
 
-Stmt = Union[Op, Store, Assign, Loop, CombineTail]
+Stmt = Union[Op, Store, Assign, Loop, If, CombineTail]
 
 
 @dataclass
@@ -132,6 +142,10 @@ def format_tile_kernel(kernel: TileKernel) -> str:
                 lines.append(f"{indent}store {st.buffer}[{st.base.name} + {st.offsets.name}] = {st.value.name}{mask}")
             elif isinstance(st, Assign):
                 lines.append(f"{indent}{st.target.name} <- {st.value.name}")
+            elif isinstance(st, If):
+                note = f"   # {st.comment}" if st.comment else ""
+                lines.append(f"{indent}if {st.cond.name}:{note}")
+                fmt(st.body, indent + "  ")
             elif isinstance(st, CombineTail):
                 lines.append(f"{indent}if atomic_add(counter[{st.counter.name}], 1) == {st.splits} - 1: "
                              f"{st.function}(partial states) ; counter <- 0")
@@ -139,6 +153,8 @@ def format_tile_kernel(kernel: TileKernel) -> str:
                 note = f"   # {st.comment}" if st.comment else ""
                 lines.append(f"{indent}for {st.var.name} in range({st.start.name}, {st.stop.name}, {st.step}):{note}")
                 fmt(st.body, indent + "  ")
+                if st.peeled:
+                    lines.append(f"{indent}# last iteration, {st.var.name} = {st.stop.name}:")
 
     fmt(kernel.body, "  ")
     return "\n".join(lines)

@@ -799,6 +799,10 @@ class KernelBuilder:
         for m in self.loop.members:
             assert isinstance(m.body, Reduce)
             producers = self.loop.producers.get(m.name, ())
+            # the operands first, the accumulator's repair right before the dot that reads it: Hopper's
+            # dots run asynchronously and the code waits for the previous tile's dot where its result
+            # is first read, so the softmax of this tile overlaps it
+            operands = self.contraction(m.body, ctx) if m.reduce_op == "sum" else None
             if producers:
                 repair = self.loop.repairs[m.name]
                 assert repair is not None
@@ -815,7 +819,6 @@ class KernelBuilder:
                 ctx.placeholders = {}
             else:
                 acc = state[m.name]
-            operands = self.contraction(m.body, ctx) if m.reduce_op == "sum" else None
             if operands is not None:
                 new = self.dot(operands[0], operands[1], roles.col, acc)
             else:

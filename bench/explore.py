@@ -1,0 +1,158 @@
+# ruff: noqa: B023 - every closure is timed right where it is made
+"""A/B timing of compiler options in one run: each variant correct against fp32, timed against the
+baselines measured in the same process. Used to decide defaults (bench/NOTES.md records the outcome).
+
+    python bench/explore.py [--parts prefill flex decode]
+
+Writes $OUT/explore.json (or bench/results/explore.json) and prints one line per variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+import neptune_fusion as nf
+from bench.common import bench, environment, rel_err, try_time, write_results
+from bench.decode import OPS as DECODE_OPS
+from bench.decode import plain, torch_plain
+from bench.flex_ops import make_case
+from bench.flex_ops import reference_rows as flex_reference
+from bench.prefill import reference_rows
+from neptune_fusion.library import attention, causal_attention
+
+PREFILL_VARIANTS = {
+    "128x128_s3": nf.flash(128, 128, 8, 3),
+    "128x128_s3_pf": nf.flash(128, 128, 8, 3, prefetch_dot=True),
+    "128x64_s3_pf": nf.flash(128, 64, 8, 3, prefetch_dot=True),
+    "128x64_s4_pf": nf.flash(128, 64, 8, 4, prefetch_dot=True),
+    "128x64_s4": nf.flash(128, 64, 8, 4),
+}
+
+
+def prefill(seqs: list[int]) -> list[dict]:
+    out = []
+    for op, prog, causal in (("pf_global", attention, False), ("pf_causal", causal_attention, True)):
+        for seq in seqs:
+            torch.manual_seed(0)
+            q, k, v = (torch.randn(1, 32, seq, 128, device="cuda", dtype=torch.float16) for _ in range(3))
+            scale = 1 / math.sqrt(128)
+            rows = torch.randperm(seq, device="cuda")[:256].sort().values
+            ref = reference_rows(q, k, v, scale, causal, rows)
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                cudnn = try_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale))
+            row = {"op": op, "seq": seq, "cudnn_us": cudnn, "variants": {}}
+            for name, schedule in PREFILL_VARIANTS.items():
+                fn = nf.compile(prog, schedule=schedule)
+                try:
+                    err = rel_err(fn(q, k, v, scale=scale)[:, :, rows], ref)
+                    t = bench(lambda fn=fn: fn(q, k, v, scale=scale))
+                except Exception as exc:  # noqa: BLE001
+                    print(f"{op} {seq} {name} FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                    continue
+                row["variants"][name] = {"us": t, "rel_err": err, "vs_cudnn": (cudnn / t) if cudnn else None}
+                print(f"{op:10s} {seq:6d} {name:16s} {t:9.1f}us err {err:.1e}  x{(cudnn or 0) / t:.3f} cuDNN "
+                      f"({cudnn or 0:.1f})", flush=True)
+            out.append(row)
+    return out
+
+
+def flex(seqs: list[int]) -> list[dict]:
+    out = []
+    for op in ("pf_alibi", "pf_gqa", "pf_document", "pf_prefix_lm"):
+        for seq in seqs:
+            torch.manual_seed(0)
+            q, k, v, score_mod, mask_mod, gqa = make_case(op, seq)
+            scale = 1 / math.sqrt(128)
+            rows = torch.randperm(seq, device="cuda")[:128].sort().values
+            ref = flex_reference(q, k, v, score_mod, mask_mod, rows, scale)
+            fl = torch.compile(flex_attention, dynamic=False)
+            block_mask = create_block_mask(mask_mod, None, None, seq, seq, device="cuda") if mask_mod else None
+            fl(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa)
+            flex_us = bench(lambda: fl(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa))
+            row = {"op": op, "seq": seq, "flex_us": flex_us, "variants": {}}
+            for name, schedule in (("auto", None), ("128x128_pf", nf.flash(128, 128, 8, 3, prefetch_dot=True)),
+                                   ("128x64_s4_pf", nf.flash(128, 64, 8, 4, prefetch_dot=True))):
+                def call(schedule=schedule):
+                    return nf.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, enable_gqa=gqa,
+                                        schedule=schedule)
+                try:
+                    err = rel_err(call()[:, :, rows], ref)
+                    t = bench(call)
+                except Exception as exc:  # noqa: BLE001
+                    print(f"{op} {seq} {name} FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                    continue
+                row["variants"][name] = {"us": t, "rel_err": err, "vs_flex": flex_us / t}
+                print(f"{op:12s} {seq:6d} {name:14s} {t:9.1f}us err {err:.1e}  x{flex_us / t:.3f} Flex ({flex_us:.1f})",
+                      flush=True)
+            out.append(row)
+    return out
+
+
+def decode(seqs: list[int]) -> list[dict]:
+    out = []
+    for op in ("dc_causal", "dc_gqa", "dc_softcap"):
+        hq, hkv, kind = DECODE_OPS[op]
+        for seq in seqs:
+            torch.manual_seed(0)
+            q = torch.randn(1, hq, 1, 128, device="cuda", dtype=torch.float16)
+            k, v = (torch.randn(1, hkv, seq, 128, device="cuda", dtype=torch.float16) for _ in range(2))
+            slopes = torch.ones(hq, device="cuda")
+            scale = 1 / math.sqrt(128)
+            ref = torch_plain(q.float(), k.float(), v.float(), slopes, scale, kind).float()
+            cudnn = None
+            if kind != "softcap":
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    cudnn = try_time(lambda: F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=hq != hkv))
+            row = {"op": op, "seq": seq, "cudnn_us": cudnn, "variants": {}}
+            variants = [("auto", None)] + [(f"s{s}", s) for s in (8, 16, 32) if seq >= 16384 and op == "dc_gqa"]
+            for fused in ("0", "1"):
+                os.environ["NEPTUNE_FUSION_FUSED_COMBINE"] = fused
+                for label, splits in variants:
+                    for prefetch in (False, True):
+                        name = f"{label}_fused{fused}" + ("_pf" if prefetch else "")
+                        if prefetch and label != "auto":
+                            continue
+                        fn = nf.compile(plain(kind), schedule=nf.split_k(splits=splits, prefetch_dot=prefetch))
+                        try:
+                            err = rel_err(fn(q, k, v, slopes, scale), ref)
+                            t = bench(lambda fn=fn: fn(q, k, v, slopes, scale))
+                        except Exception as exc:  # noqa: BLE001
+                            print(f"{op} {seq} {name} FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                            continue
+                        gbps = 2 * hkv * seq * 128 * 2 / (t * 1e-6) / 1e9
+                        row["variants"][name] = {"us": t, "rel_err": err, "gbps": gbps}
+                        print(f"{op:10s} {seq:6d} {name:18s} {t:8.1f}us {gbps:6.0f} GB/s err {err:.1e} "
+                              f"cuDNN {cudnn or 0:.1f}", flush=True)
+            os.environ.pop("NEPTUNE_FUSION_FUSED_COMBINE")
+            out.append(row)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--parts", nargs="+", default=["decode", "prefill", "flex"])
+    args = ap.parse_args()
+    results: dict[str, list[dict]] = {}
+    for part in args.parts:
+        try:
+            if part == "prefill":
+                results[part] = prefill([4096, 16384])
+            elif part == "flex":
+                results[part] = flex([4096])
+            elif part == "decode":
+                results[part] = decode([1024, 16384, 32768])
+        except Exception as exc:  # noqa: BLE001 - keep what the other parts measured
+            print(f"part {part} FAILED {type(exc).__name__}: {exc}", flush=True)
+        path = write_results("explore", {"environment": environment(), **results})
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""Software pipelining of a tile loop: the first dot that reads no loop-carried state is computed
+one iteration ahead (FlashAttention-3's intra-warpgroup overlap, derived rather than written).
+
+Hopper runs `tl.dot` asynchronously and a program waits for a dot where its result is first read.
+In the plain loop the scores `S_j = Q K_j^T` are read right away by the softmax, so the tensor
+cores idle while the exponentials run. Rewritten, iteration j issues `S_{j+1}` first and only then
+works on `S_j`, whose dot finished during the previous iteration:
+
+    if lo < hi:
+        S = slice(lo)                      # prologue
+        for j in range(lo, last, step):
+            S_next = slice(j + step)       # issued first, overlaps the rest
+            rest(j, S)
+            S = S_next
+        rest(last, S)                      # the last iteration, peeled: nothing is read past hi
+
+The slice is the dot and everything it needs from the loop (tile loads, index arithmetic); the
+rest is the loop body without it. Values of the slice that the rest also reads (column indices,
+a block map's tile index) are recomputed by the rest; a tile load or a dot never is, so a loop
+needing that is left as it is. Every load happens at a tile the loop visits anyway.
+
+Example:
+    >>> # kernel = prefetch_first_dot(lower(fused, config))
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+
+from neptune_fusion.tile.ir import Assign, If, Loop, Op, Stmt, TileKernel, TVal
+
+_EXPENSIVE = ("load", "desc_load", "dot")
+
+
+def prefetch_first_dot(kernel: TileKernel) -> TileKernel:
+    """`kernel` with every top-level loop whose first carry-free dot can be computed one
+    iteration ahead rewritten so (see the module docstring); other statements unchanged."""
+    names = itertools.count()
+    body: list[Stmt] = []
+    for st in kernel.body:
+        body.extend(_pipeline(st, names) if isinstance(st, Loop) else [st])
+    if body == kernel.body:
+        return kernel
+    notes = kernel.notes + ["software pipelined: each loop's first dot is issued one iteration ahead"]
+    return replace(kernel, body=body, notes=notes)
+
+
+def _slice_of_first_dot(loop: Loop) -> list[Op] | None:
+    """The ops (in body order) the first dot needs from inside the loop, if none reads loop-carried state."""
+    carried = {st.target.name for st in loop.body if isinstance(st, Assign)}
+    defined = {st.out.name: st for st in loop.body if isinstance(st, Op)}
+    for dot in (st for st in loop.body if isinstance(st, Op) and st.kind == "dot"):
+        needed: set[str] = set()
+        stack, ok = [dot], True
+        while stack and ok:
+            op = stack.pop()
+            if op.out.name in needed:
+                continue
+            needed.add(op.out.name)
+            for arg in op.args:
+                if arg.name in carried:
+                    ok = False
+                elif arg.name in defined:
+                    stack.append(defined[arg.name])
+        if ok:
+            return [st for st in loop.body if isinstance(st, Op) and st.out.name in needed]
+    return None
+
+
+def _clone(ops: list[Stmt], rename: dict[str, TVal], names: itertools.count, keep: str | None = None) -> list[Stmt]:
+    """`ops` with their arguments renamed by `rename`, each output given a fresh name (recorded in
+    `rename`); the op named `keep` keeps its name. Assigns are copied with renamed values."""
+    out: list[Stmt] = []
+    for st in ops:
+        if isinstance(st, Assign):
+            out.append(Assign(st.target, rename.get(st.value.name, st.value)))
+            continue
+        assert isinstance(st, Op)
+        new_out = st.out if st.out.name == keep else TVal(f"{st.out.name}_p{next(names)}", st.out.axes, st.out.dtype)
+        rename[st.out.name] = new_out
+        out.append(Op(new_out, st.kind, tuple(rename.get(a.name, a) for a in st.args), dict(st.attrs)))
+    return out
+
+
+def _scalar(kind: str, name: str, args: tuple[TVal, ...], **attrs: object) -> Op:
+    return Op(TVal(name, (), "i32"), kind, args, dict(attrs))
+
+
+def _pipeline(loop: Loop, names: itertools.count) -> list[Stmt]:
+    if loop.peeled or any(not isinstance(st, (Op, Assign)) for st in loop.body):
+        return [loop]
+    sliced = _slice_of_first_dot(loop)
+    if sliced is None:
+        return [loop]
+    dot = sliced[-1]
+    in_slice = {op.out.name for op in sliced}
+    rest_reads = {a.name for st in loop.body if not (isinstance(st, Op) and st.out.name in in_slice)
+                  for a in (st.args if isinstance(st, Op) else (st.value,))}
+    # slice values the rest reads, with what they need from the slice, are recomputed by the rest
+    by_name = {op.out.name: op for op in sliced}
+    wanted = [name for name in rest_reads if name in by_name and name != dot.out.name]
+    needed: set[str] = set()
+    while wanted:
+        name = wanted.pop()
+        if name not in needed:
+            needed.add(name)
+            wanted.extend(a.name for a in by_name[name].args if a.name in by_name)
+    shared = [op for op in sliced if op.out.name in needed]
+    if dot.out.name in {a.name for op in sliced for a in op.args}:
+        return [loop]
+    if any(op.kind in _EXPENSIVE and op.out.axes for op in shared):
+        return [loop]  # the rest would repeat a tile load or a dot
+    rest = [st for st in loop.body if not (isinstance(st, Op) and st.out.name in in_slice and st not in shared)]
+    assigns = [st for st in rest if isinstance(st, Assign)]
+    rest_ops = [st for st in rest if isinstance(st, Op)]
+
+    n = next(names)
+    step = TVal(loop.step, (), "i32")
+    one = _scalar("const", f"one_p{n}", (), value=1)
+    cond = Op(TVal(f"nonempty_p{n}", (), "bool"), "binary", (loop.start, loop.stop), {"op": "lt"})
+    span = _scalar("binary", f"span_p{n}", (loop.stop, loop.start), op="sub")
+    span1 = _scalar("binary", f"span1_p{n}", (span.out, one.out), op="sub")
+    iters = _scalar("binary", f"iters_p{n}", (span1.out, step), op="floordiv")
+    offset = _scalar("binary", f"offset_p{n}", (iters.out, step), op="mul")
+    last = _scalar("binary", f"last_p{n}", (loop.start, offset.out), op="add")
+    prologue = _clone(sliced, {loop.var.name: loop.start}, names, keep=dot.out.name)
+    nxt = _scalar("binary", f"next_p{n}", (loop.var, step), op="add")
+    ahead_map: dict[str, TVal] = {loop.var.name: nxt.out}
+    ahead = _clone(sliced, ahead_map, names)
+    steady = Loop(loop.var, loop.start, last.out, loop.step,
+                  [nxt, *ahead, *rest_ops, *assigns, Assign(dot.out, ahead_map[dot.out.name])],
+                  loop.comment + " (its first dot issued one iteration ahead)", loop.warp_specialize, peeled=True)
+    final = _clone(rest_ops + assigns, {loop.var.name: last.out}, names)
+    return [cond, If(cond.out, [one, span, span1, iters, offset, last, *prologue, steady, *final],
+                     "a non-empty loop: prologue, pipelined iterations, the last iteration")]
