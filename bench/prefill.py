@@ -21,9 +21,9 @@ from neptune_fusion.library import attention, causal_attention
 
 OPS = {"pf_global": (attention, False), "pf_causal": (causal_attention, True)}
 CONFIGS = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 4)]
-# (config, NEPTUNE_FUSION_TMA, NEPTUNE_FUSION_WS) variants timed when not sweeping
-VARIANTS = [((128, 128, 8, 3), "auto", "0"), ((128, 128, 8, 3), "auto", "1"), ((128, 128, 8, 2), "auto", "0"),
-            ((128, 64, 8, 3), "auto", "1")]
+# (config, NEPTUNE_FUSION_TMA, NEPTUNE_FUSION_WS, prefetch_dot) variants timed when not sweeping
+VARIANTS = [((128, 128, 8, 3), "auto", "0", False), ((128, 128, 8, 3), "auto", "1", False),
+            ((128, 128, 8, 2), "auto", "0", False), ((128, 128, 8, 2), "auto", "0", True)]
 
 
 def reference_rows(q, k, v, scale, causal, rows):
@@ -45,12 +45,14 @@ def run_case(op: str, seq: int, sweep: bool, heads: int = 32, dim: int = 128) ->
     ref = reference_rows(q, k, v, scale, causal, rows)
     result = {"op": op, "seq": seq, "heads": heads, "dim": dim, "configs": {}}
     best = None
-    configs = [(*c, t, "0") for c in CONFIGS for t in ("auto", "0")] if sweep else [(*c, t, ws) for c, t, ws in VARIANTS]
-    for bq, bk, w, st, tma, ws in configs:
+    configs = ([(*c, t, "0", False) for c in CONFIGS for t in ("auto", "0")] if sweep
+               else [(*c, t, ws, pf) for c, t, ws, pf in VARIANTS])
+    for bq, bk, w, st, tma, ws, pf in configs:
         os.environ["NEPTUNE_FUSION_TMA"] = tma
         os.environ["NEPTUNE_FUSION_WS"] = ws
-        fn = nf.compile(prog, schedule=nf.flash(block_q=bq, block_k=bk, num_warps=w, num_stages=st))
-        name = f"{bq}x{bk}_w{w}_s{st}" + ("_tma" if tma == "auto" else "") + ("_ws" if ws == "1" else "")
+        fn = nf.compile(prog, schedule=nf.flash(block_q=bq, block_k=bk, num_warps=w, num_stages=st, prefetch_dot=pf))
+        name = (f"{bq}x{bk}_w{w}_s{st}" + ("_tma" if tma == "auto" else "") + ("_ws" if ws == "1" else "")
+                + ("_pf" if pf else ""))
         try:
             out = fn(q, k, v, scale=scale)
             torch.cuda.synchronize()
@@ -66,7 +68,7 @@ def run_case(op: str, seq: int, sweep: bool, heads: int = 32, dim: int = 128) ->
     result["nf_config"], result["nf_us"], result["nf_rel_err"] = best[0], best[1], best[2]
     fn = best[3]
     os.environ["NEPTUNE_FUSION_TMA"] = "auto" if "_tma" in best[0] else "0"
-    os.environ["NEPTUNE_FUSION_WS"] = "1" if best[0].endswith("_ws") else "0"
+    os.environ["NEPTUNE_FUSION_WS"] = "1" if "_ws" in best[0] else "0"
     # peak extra memory of one call: everything allocated beyond inputs and the output
     out = fn(q, k, v, scale=scale)
     torch.cuda.synchronize()

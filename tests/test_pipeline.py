@@ -128,3 +128,19 @@ def test_a_loop_whose_rest_rereads_the_tile_is_not_moved():
     assert prefetch_first_dot(kernel) is kernel
     moved = prefetch_first_dot(_kernel([Loop(var, i32("lo"), i32("hi"), "BC", body[:2] + [Assign(acc, tile("d"))])]))
     assert isinstance(moved.body[1], If) and any(isinstance(s, Loop) and s.peeled for s in moved.body[1].body)
+
+
+def test_prefetched_loads_are_kept_a_stage_longer():
+    from neptune_fusion.tile.resources import shared_memory_estimate
+
+    i32, tile = (lambda n: TVal(n, (), "i32")), (lambda n: TVal(n, ("r", "c"), "f16"))
+    var, acc = i32("j"), TVal("acc", ("r", "c"), "f32")
+    body = [Op(tile("x"), "load", (var,), {"buffer": "x"}), Op(tile("y"), "load", (var,), {"buffer": "y"}),
+            Op(TVal("s", ("r", "c"), "f32"), "dot", (tile("q"), tile("x")), {"k": "c"}),
+            Op(TVal("e", ("r", "c"), "f32"), "dot", (TVal("s", ("r", "c"), "f32"), tile("y"), acc), {"k": "c"}),
+            Assign(acc, TVal("e", ("r", "c"), "f32"))]
+    kernel = _kernel([Loop(var, i32("lo"), i32("hi"), "BC", body)])
+    kernel.num_stages = 3
+    tile_bytes = 16 * 16 * 2
+    assert shared_memory_estimate(kernel) == 2 * 3 * tile_bytes
+    assert shared_memory_estimate(prefetch_first_dot(kernel)) == (3 + 1) * tile_bytes + 3 * tile_bytes

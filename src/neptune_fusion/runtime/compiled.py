@@ -343,7 +343,11 @@ class Compiled:
                 combine = KernelLaunch(ctile, csource, _load_kernel(csource, ctile.name), cfused)
             else:
                 config.fused_combine = ctile
-        tile = lower(fused, config, name)
+        def lowered() -> TileKernel:
+            tile = lower(fused, config, name)
+            return prefetch_first_dot(tile) if plan.prefetch_dot else tile
+
+        tile = lowered()
         while not interpreter and shared_memory_estimate(tile) > SHARED_MEMORY_BUDGET and (
                 config.num_stages > 1 or config.block_col > 16):
             # too many pipelined tiles for shared memory: fewer stages first, then narrower tiles
@@ -352,9 +356,7 @@ class Compiled:
             else:
                 config.block_col //= 2
             config.notes = []
-            tile = lower(fused, config, name)
-        if plan.prefetch_dot:
-            tile = prefetch_first_dot(tile)
+            tile = lowered()
         source = generate(tile, target, [ctile] if config.fused_combine is not None else None)
         main = KernelLaunch(tile, source, _load_kernel(source, name), fused)
         exe = Executable(steps, plan, main, combine, combine_steps, masks if use_block_map else None, ctile)

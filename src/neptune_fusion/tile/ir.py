@@ -72,6 +72,7 @@ class Loop:
     comment: str = ""
     warp_specialize: bool = False
     peeled: bool = False  # its last iteration (at `stop`) follows the loop as straight-line code
+    ahead: tuple[str, ...] = ()  # ops computing the next iteration's values (kept a stage longer)
 
 
 @dataclass

@@ -799,10 +799,6 @@ class KernelBuilder:
         for m in self.loop.members:
             assert isinstance(m.body, Reduce)
             producers = self.loop.producers.get(m.name, ())
-            # the operands first, the accumulator's repair right before the dot that reads it: Hopper's
-            # dots run asynchronously and the code waits for the previous tile's dot where its result
-            # is first read, so the softmax of this tile overlaps it
-            operands = self.contraction(m.body, ctx) if m.reduce_op == "sum" else None
             if producers:
                 repair = self.loop.repairs[m.name]
                 assert repair is not None
@@ -819,6 +815,9 @@ class KernelBuilder:
                 ctx.placeholders = {}
             else:
                 acc = state[m.name]
+            # the repair before the operands: emitting the repair right before its dot measured 4-9%
+            # slower on the H200 for masked loops (bench/results/explore_run8.json)
+            operands = self.contraction(m.body, ctx) if m.reduce_op == "sum" else None
             if operands is not None:
                 new = self.dot(operands[0], operands[1], roles.col, acc)
             else:

@@ -50,7 +50,7 @@ def _slice_of_first_dot(loop: Loop) -> list[Op] | None:
     """The ops (in body order) the first dot needs from inside the loop, if none reads loop-carried state."""
     carried = {st.target.name for st in loop.body if isinstance(st, Assign)}
     defined = {st.out.name: st for st in loop.body if isinstance(st, Op)}
-    for dot in (st for st in loop.body if isinstance(st, Op) and st.kind == "dot"):
+    for dot in (st for st in loop.body if isinstance(st, Op) and st.kind == "dot" and st.out.name not in carried):
         needed: set[str] = set()
         stack, ok = [dot], True
         while stack and ok:
@@ -130,7 +130,8 @@ def _pipeline(loop: Loop, names: itertools.count) -> list[Stmt]:
     ahead = _clone(sliced, ahead_map, names)
     steady = Loop(loop.var, loop.start, last.out, loop.step,
                   [nxt, *ahead, *rest_ops, *assigns, Assign(dot.out, ahead_map[dot.out.name])],
-                  loop.comment + " (its first dot issued one iteration ahead)", loop.warp_specialize, peeled=True)
+                  loop.comment + " (its first dot issued one iteration ahead)", loop.warp_specialize, peeled=True,
+                  ahead=tuple(op.out.name for op in ahead if isinstance(op, Op)))
     final = _clone(rest_ops + assigns, {loop.var.name: last.out}, names)
     return [cond, If(cond.out, [one, span, span1, iters, offset, last, *prologue, steady, *final],
                      "a non-empty loop: prologue, pipelined iterations, the last iteration")]

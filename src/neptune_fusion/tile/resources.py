@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from neptune_fusion.tile.ir import Loop, Op, Stmt, TileKernel
+from neptune_fusion.tile.ir import If, Loop, Op, Stmt, TileKernel
 
 _BYTES = {"f32": 4, "f16": 2, "bf16": 2, "i32": 4, "i64": 8, "bool": 1}
 
@@ -22,15 +22,24 @@ def _tile_bytes(kernel: TileKernel, op: Op) -> int:
 
 
 def shared_memory_estimate(kernel: TileKernel) -> int:
-    """Bytes of shared memory the pipelined loads of the kernel's loops need (a lower bound)."""
-    worst = 0
+    """Bytes of shared memory the pipelined loads of the kernel's loops need (a lower bound).
 
-    def loop_bytes(body: list[Stmt]) -> int:
-        loads = sum(_tile_bytes(kernel, st) for st in body
-                    if isinstance(st, Op) and st.kind in ("load", "desc_load") and st.out.axes)
-        return loads * max(1, kernel.num_stages)
+    A load computed one iteration ahead (tile/pipeline.py) is read an iteration later, so it is
+    kept one stage deeper.
+    """
+    stages = max(1, kernel.num_stages)
 
-    for st in kernel.body:
-        if isinstance(st, Loop):
-            worst = max(worst, loop_bytes(st.body))
-    return worst
+    def loop_bytes(loop: Loop) -> int:
+        return sum(_tile_bytes(kernel, st) * (stages + (st.out.name in loop.ahead)) for st in loop.body
+                   if isinstance(st, Op) and st.kind in ("load", "desc_load") and st.out.axes)
+
+    def worst(body: list[Stmt]) -> int:
+        out = 0
+        for st in body:
+            if isinstance(st, Loop):
+                out = max(out, loop_bytes(st))
+            elif isinstance(st, If):
+                out = max(out, worst(st.body))
+        return out
+
+    return worst(kernel.body)
