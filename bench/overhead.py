@@ -1,3 +1,4 @@
+# ruff: noqa: B023 - every closure is timed right where it is made
 """Host-side cost of one call (decode-sized problem): where the microseconds go.
 
     python bench/overhead.py
@@ -71,6 +72,19 @@ def main() -> None:
             gfn(qg, kg, vg, scale)
         torch.cuda.synchronize()
     out["gqa_decode_kernels"] = prof_gpu.key_averages().table(sort_by="cuda_time_total", row_limit=8)
+    # host cost of nf.attention with FlexAttention-style mods (tracing keys, block-map lookup), and of
+    # compiled FlexAttention itself, on the document-mask benchmark (4k)
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from bench.flex_ops import make_case
+
+    for op in ("pf_document", "pf_alibi"):
+        qd, kd, vd, score_mod, mask_mod, _ = make_case(op, 4096)
+        out[f"nf_attention_{op}_host_us"] = host_us(
+            lambda: nf.attention(qd, kd, vd, score_mod=score_mod, mask_mod=mask_mod), n=50)
+        flex = torch.compile(flex_attention, dynamic=False)
+        block_mask = create_block_mask(mask_mod, None, None, 4096, 4096, device="cuda")
+        out[f"flex_{op}_host_us"] = host_us(lambda: flex(qd, kd, vd, score_mod=score_mod, block_mask=block_mask), n=50)
     for key, value in out.items():
         print(key, value if isinstance(value, str) else f"{value:.1f}")
     write_results("overhead", {"environment": environment(), **out})
