@@ -63,9 +63,9 @@ def prefill(seqs: list[int]) -> list[dict]:
     return out
 
 
-def flex(seqs: list[int]) -> list[dict]:
+def flex(seqs: list[int], ops: list[str]) -> list[dict]:
     out = []
-    for op in ("pf_alibi", "pf_gqa", "pf_document", "pf_prefix_lm"):
+    for op in ops:
         for seq in seqs:
             torch.manual_seed(0)
             q, k, v, score_mod, mask_mod, gqa = make_case(op, seq)
@@ -95,9 +95,9 @@ def flex(seqs: list[int]) -> list[dict]:
     return out
 
 
-def decode(seqs: list[int]) -> list[dict]:
+def decode(seqs: list[int], ops: list[str], fused_modes: tuple[str, ...]) -> list[dict]:
     out = []
-    for op in ("dc_causal", "dc_gqa", "dc_softcap"):
+    for op in ops:
         hq, hkv, kind = DECODE_OPS[op]
         for seq in seqs:
             torch.manual_seed(0)
@@ -111,8 +111,8 @@ def decode(seqs: list[int]) -> list[dict]:
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                     cudnn = try_time(lambda: F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=hq != hkv))
             row = {"op": op, "seq": seq, "cudnn_us": cudnn, "variants": {}}
-            variants = [("auto", None)] + [(f"s{s}", s) for s in (8, 16, 32) if seq >= 16384 and op == "dc_gqa"]
-            for fused in ("0", "1"):
+            variants = [("auto", None)] + [(f"s{s}", s) for s in (8, 16, 32, 64) if seq >= 16384 and op != "dc_causal"]
+            for fused in fused_modes:
                 os.environ["NEPTUNE_FUSION_FUSED_COMBINE"] = fused
                 for label, splits in variants:
                     for prefetch in (False, True):
@@ -138,6 +138,11 @@ def decode(seqs: list[int]) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--parts", nargs="+", default=["decode", "prefill", "flex"])
+    ap.add_argument("--decode-ops", nargs="+", default=["dc_causal", "dc_gqa", "dc_softcap"])
+    ap.add_argument("--decode-seqs", type=int, nargs="+", default=[1024, 16384, 32768])
+    ap.add_argument("--fused", nargs="+", default=["0", "1"], help="NEPTUNE_FUSION_FUSED_COMBINE settings to time")
+    ap.add_argument("--flex-ops", nargs="+", default=["pf_alibi", "pf_gqa", "pf_document", "pf_prefix_lm"])
+    ap.add_argument("--flex-seqs", type=int, nargs="+", default=[4096])
     args = ap.parse_args()
     results: dict[str, list[dict]] = {}
     for part in args.parts:
@@ -145,9 +150,9 @@ def main() -> None:
             if part == "prefill":
                 results[part] = prefill([4096, 16384])
             elif part == "flex":
-                results[part] = flex([4096])
+                results[part] = flex(args.flex_seqs, args.flex_ops)
             elif part == "decode":
-                results[part] = decode([1024, 16384, 32768])
+                results[part] = decode(args.decode_seqs, args.decode_ops, tuple(args.fused))
         except Exception as exc:  # noqa: BLE001 - keep what the other parts measured
             print(f"part {part} FAILED {type(exc).__name__}: {exc}", flush=True)
         path = write_results("explore", {"environment": environment(), **results})
