@@ -68,15 +68,19 @@ def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: 
         splits = 0 if programs < num_sms and cols >= 4 * block_col else 1
     if splits == 0:
         # memory-bound: about four programs per multiprocessor keep enough loads in flight
-        # (H200 sweep, bench/results/decode.json); each chunk at least four tiles long. The combine
-        # merges splits x rows partial states, so programs with several rows (packed GQA groups,
-        # speculative decoding) take fewer splits (GQA 64/8: 16 splits beat 64 by 15%,
-        # bench/results/explore_run8.json)
+        # (H200 sweeps, bench/results/decode_sweep_run2.json), rounded down so no multiprocessor
+        # gets an extra one; each chunk at least four tiles long. The combine merges splits x rows
+        # partial states, so programs with several rows (packed GQA groups, speculative decoding)
+        # take fewer splits (GQA 64/8 at 16k: 16 splits 34 us, 64 splits 44 us,
+        # bench/results/explore_decode_run10.json)
         if not interpreter:
             block_col, warps, stages = 64, 4, 2
         programs = math.ceil(rows / block_row) * batch
-        wanted = max(1, math.ceil(4 * num_sms / programs / min(4, rows)))
+        wanted = max(1, (4 * num_sms) // (programs * min(4, rows)))
         splits = max(1, min(wanted, cols // (4 * block_col), 128))
+        # chunks are whole tiles: drop splits that would be left without any
+        chunk_tiles = math.ceil(math.ceil(cols / block_col) / splits)
+        splits = math.ceil(math.ceil(cols / block_col) / chunk_tiles)
     if isinstance(schedule, (Flash, SplitK)):
         block_row = schedule.block_q or block_row
         block_col = schedule.block_k or block_col
