@@ -135,6 +135,40 @@ def decode(seqs: list[int], ops: list[str], fused_modes: tuple[str, ...]) -> lis
     return out
 
 
+DECODE_TILES = [(16, 64, 2), (16, 64, 3), (16, 128, 2), (16, 128, 3), (8, 128, 3), (8, 64, 3), (32, 64, 2),
+                (16, 64, 4)]
+
+
+def decode_tiles(seqs: list[int], ops: list[str]) -> list[dict]:
+    """Split-K (splits, key tile, stages) by hand: how deep the loads in flight should be."""
+    out = []
+    for op in ops:
+        hq, hkv, kind = DECODE_OPS[op]
+        for seq in seqs:
+            torch.manual_seed(0)
+            q = torch.randn(1, hq, 1, 128, device="cuda", dtype=torch.float16)
+            k, v = (torch.randn(1, hkv, seq, 128, device="cuda", dtype=torch.float16) for _ in range(2))
+            slopes = torch.ones(hq, device="cuda")
+            scale = 1 / math.sqrt(128)
+            ref = torch_plain(q.float(), k.float(), v.float(), slopes, scale, kind).float()
+            row = {"op": op, "seq": seq, "variants": {}}
+            for splits, block_k, stages in [(None, None, None), *DECODE_TILES]:
+                name = f"s{splits}_k{block_k}_st{stages}"
+                fn = nf.compile(plain(kind), schedule=nf.split_k(splits=splits, block_k=block_k, num_warps=4,
+                                                                  num_stages=stages))
+                try:
+                    err = rel_err(fn(q, k, v, slopes, scale), ref)
+                    t = bench(lambda fn=fn: fn(q, k, v, slopes, scale))
+                except Exception as exc:  # noqa: BLE001
+                    print(f"{op} {seq} {name} FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                    continue
+                gbps = 2 * hkv * seq * 128 * 2 / (t * 1e-6) / 1e9
+                row["variants"][name] = {"us": t, "rel_err": err, "gbps": gbps}
+                print(f"{op:10s} {seq:6d} {name:18s} {t:8.1f}us {gbps:6.0f} GB/s err {err:.1e}", flush=True)
+            out.append(row)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--parts", nargs="+", default=["decode", "prefill", "flex"])
@@ -153,6 +187,8 @@ def main() -> None:
                 results[part] = flex(args.flex_seqs, args.flex_ops)
             elif part == "decode":
                 results[part] = decode(args.decode_seqs, args.decode_ops, tuple(args.fused))
+            elif part == "decode_tiles":
+                results[part] = decode_tiles(args.decode_seqs, args.decode_ops)
         except Exception as exc:  # noqa: BLE001 - keep what the other parts measured
             print(f"part {part} FAILED {type(exc).__name__}: {exc}", flush=True)
         path = write_results("explore", {"environment": environment(), **results})
