@@ -78,6 +78,11 @@ def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: 
         programs = math.ceil(rows / block_row) * batch
         wanted = max(1, (4 * num_sms) // (programs * min(4, rows)))
         splits = max(1, min(wanted, cols // (4 * block_col), 128))
+        # a memory-bound loop needs enough bytes in flight per multiprocessor: with at most one
+        # program on each, its key tiles are twice as wide (packed GQA 64/8 at 16k: 34.8 us with
+        # 128-wide tiles, 43.5 us with 64; bench/results/explore_decode_tiles_run12.json)
+        if not interpreter and programs * splits <= num_sms and cols >= splits * 4 * 128:
+            block_col = 128
         # chunks are whole tiles: drop splits that would be left without any
         chunk_tiles = math.ceil(math.ceil(cols / block_col) / splits)
         splits = math.ceil(math.ceil(cols / block_col) / chunk_tiles)
