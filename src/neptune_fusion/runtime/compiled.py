@@ -294,11 +294,14 @@ class Compiled:
             plan = Plan(plan.block_row, plan.block_col, plan.num_warps, plan.num_stages, 1, plan.prefetch_dot)
         _check_offsets(fused, roles, args)
         tma = _tma_buffers(program, args, device, interpreter)
+        if use_block_map and os.environ.get("NEPTUNE_FUSION_BLOCKMAP_TMA", "1") == "0":
+            tma = frozenset()  # tiles at run-time coordinates through pointer loads (an A/B switch)
         positive = frozenset(p for p in program.params if isinstance(args[p], float) and args[p] > 0)
-        # one launch (the last split program combines) pays off while launches dominate; at long
-        # reductions the H200 measured the separate combine launch faster (bench/results/decode*.json)
+        # one launch (the last split program combines) pays off while launches dominate; from 4k keys
+        # on the H200 measured the separate combine launch faster (dc_causal 4k: 36.0 vs 42.4 us,
+        # 1k: 20.0 vs 18.8 us; bench/results/explore_decode_short_run10.json)
         setting = os.environ.get("NEPTUNE_FUSION_FUSED_COMBINE", "auto")
-        fused_combine = plan.splits > 1 and (setting == "1" or (setting == "auto" and sizes[roles.col] <= 4096))
+        fused_combine = plan.splits > 1 and (setting == "1" or (setting == "auto" and sizes[roles.col] <= 2048))
         combine_rows = min(16, 1 << max(0, (sizes[roles.row] - 1).bit_length()))
         key = (program.fingerprint(), tuple(sorted(dtypes.items())), tuple(sorted(full_sizes.items())), plan,
                layout, interpreter, str(device), tma, os.environ.get("NEPTUNE_FUSION_WS", "0"), positive,
