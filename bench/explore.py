@@ -63,6 +63,12 @@ def prefill(seqs: list[int]) -> list[dict]:
     return out
 
 
+NO_BLOCK_MAP_TMA = {"NEPTUNE_FUSION_BLOCKMAP_TMA": "0"}
+FLEX_VARIANTS = [("auto", None, {}), ("auto_no_tma", nf.flash(), NO_BLOCK_MAP_TMA),  # distinct schedules: fresh compiles
+                 ("128x64_no_tma", nf.flash(128, 64, 8, 3), NO_BLOCK_MAP_TMA),
+                 ("128x64_s4_no_tma", nf.flash(128, 64, 8, 4), NO_BLOCK_MAP_TMA)]
+
+
 def flex(seqs: list[int], ops: list[str]) -> list[dict]:
     out = []
     for op in ops:
@@ -77,8 +83,9 @@ def flex(seqs: list[int], ops: list[str]) -> list[dict]:
             fl(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa)
             flex_us = bench(lambda: fl(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa))
             row = {"op": op, "seq": seq, "flex_us": flex_us, "variants": {}}
-            for name, schedule in (("auto", None), ("128x128_pf", nf.flash(128, 128, 8, 3, prefetch_dot=True)),
-                                   ("128x64_s4_pf", nf.flash(128, 64, 8, 4, prefetch_dot=True))):
+            for name, schedule, env in FLEX_VARIANTS:
+                os.environ.update(env)
+
                 def call(schedule=schedule):
                     return nf.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, enable_gqa=gqa,
                                         schedule=schedule)
@@ -88,6 +95,9 @@ def flex(seqs: list[int], ops: list[str]) -> list[dict]:
                 except Exception as exc:  # noqa: BLE001
                     print(f"{op} {seq} {name} FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)
                     continue
+                finally:
+                    for key in env:
+                        os.environ.pop(key)
                 row["variants"][name] = {"us": t, "rel_err": err, "vs_flex": flex_us / t}
                 print(f"{op:12s} {seq:6d} {name:14s} {t:9.1f}us err {err:.1e}  x{flex_us / t:.3f} Flex ({flex_us:.1f})",
                       flush=True)
