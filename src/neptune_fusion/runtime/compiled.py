@@ -294,8 +294,11 @@ class Compiled:
             plan = Plan(plan.block_row, plan.block_col, plan.num_warps, plan.num_stages, 1, plan.prefetch_dot)
         _check_offsets(fused, roles, args)
         tma = _tma_buffers(program, args, device, interpreter)
-        if use_block_map and os.environ.get("NEPTUNE_FUSION_BLOCKMAP_TMA", "1") == "0":
-            tma = frozenset()  # tiles at run-time coordinates through pointer loads (an A/B switch)
+        if use_block_map and os.environ.get("NEPTUNE_FUSION_BLOCKMAP_TMA", "0") != "1":
+            # tiles at run-time coordinates (from the block map) load faster through pointers than
+            # through tensor descriptors (document mask: 238 vs 254 us at 4k, 2348 vs 2423 us at 16k;
+            # bench/results/explore_document_run14.json)
+            tma = frozenset()
         positive = frozenset(p for p in program.params if isinstance(args[p], float) and args[p] > 0)
         # one launch (the last split program combines) pays off while launches dominate; from 4k keys
         # on the H200 measured the separate combine launch faster (dc_causal 4k: 36.0 vs 42.4 us,
