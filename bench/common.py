@@ -32,6 +32,17 @@ def environment() -> dict[str, Any]:
     }
 
 
+def warm_up_gpu(seconds: float = 1.0) -> None:
+    """Run matmuls for a while so clocks have left their idle state before the first timing (the
+    first case of a process measured up to 1.5x slow otherwise, bench/NOTES.md)."""
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.float16)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(10):
+            a @ a
+        torch.cuda.synchronize()
+
+
 def bench(fn: Callable[[], Any], warmup: int = 25, rep: int = 100) -> float:
     """Median time in microseconds."""
     ms = triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import neptune_fusion as nf
-from bench.common import bench, environment, rel_err, try_time, write_results
+from bench.common import bench, environment, rel_err, try_time, warm_up_gpu, write_results
 
 SOFTCAP = 50.0
 
@@ -151,6 +151,7 @@ def main() -> None:
     ap.add_argument("--ops", nargs="+", default=list(OPS))
     ap.add_argument("--sweep", action="store_true", help="also time split-K settings by hand")
     args = ap.parse_args()
+    warm_up_gpu()
     results = []
     sweeps = {}
     if args.sweep:

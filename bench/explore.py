@@ -19,7 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import neptune_fusion as nf
-from bench.common import bench, environment, rel_err, try_time, write_results
+from bench.common import bench, environment, rel_err, try_time, warm_up_gpu, write_results
 from bench.decode import OPS as DECODE_OPS
 from bench.decode import plain, torch_plain
 from bench.flex_ops import make_case
@@ -188,6 +188,7 @@ def main() -> None:
     ap.add_argument("--flex-ops", nargs="+", default=["pf_alibi", "pf_gqa", "pf_document", "pf_prefix_lm"])
     ap.add_argument("--flex-seqs", type=int, nargs="+", default=[4096])
     args = ap.parse_args()
+    warm_up_gpu()
     results: dict[str, list[dict]] = {}
     for part in args.parts:
         try:

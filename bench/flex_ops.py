@@ -15,7 +15,7 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import neptune_fusion as nf
-from bench.common import bench, environment, rel_err, write_results
+from bench.common import bench, environment, rel_err, warm_up_gpu, write_results
 
 WINDOW = 4096
 SOFTCAP = 50.0
@@ -105,6 +105,7 @@ def main() -> None:
     ap.add_argument("--ops", nargs="+", default=["pf_alibi", "pf_softcap", "pf_window", "pf_gqa", "pf_document",
                                                  "pf_prefix_lm"])
     args = ap.parse_args()
+    warm_up_gpu()
     results = []
     for op in args.ops:
         for seq in args.seqs:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import neptune_fusion as nf
-from bench.common import bench, environment, rel_err, try_time, write_results
+from bench.common import bench, environment, rel_err, try_time, warm_up_gpu, write_results
 from neptune_fusion.library import attention, causal_attention
 
 OPS = {"pf_global": (attention, False), "pf_causal": (causal_attention, True)}
@@ -117,6 +117,7 @@ def main() -> None:
     ap.add_argument("--ops", nargs="+", default=list(OPS))
     ap.add_argument("--sweep", action="store_true")
     args = ap.parse_args()
+    warm_up_gpu()
     results = []
     for op in args.ops:
         for seq in args.seqs:
