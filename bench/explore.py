@@ -63,10 +63,9 @@ def prefill(seqs: list[int]) -> list[dict]:
     return out
 
 
-NO_BLOCK_MAP_TMA = {"NEPTUNE_FUSION_BLOCKMAP_TMA": "0"}
-FLEX_VARIANTS = [("auto", None, {}), ("auto_no_tma", nf.flash(), NO_BLOCK_MAP_TMA),  # distinct schedules: fresh compiles
-                 ("128x64_no_tma", nf.flash(128, 64, 8, 3), NO_BLOCK_MAP_TMA),
-                 ("128x64_s4_no_tma", nf.flash(128, 64, 8, 4), NO_BLOCK_MAP_TMA)]
+PREFETCH_INDEX = {"NEPTUNE_FUSION_PREFETCH_INDEX": "1"}
+FLEX_VARIANTS = [("auto", None, {}), ("prefetch_index", nf.flash(), PREFETCH_INDEX),  # distinct schedules: fresh compiles
+                 ("128x64_prefetch_index", nf.flash(128, 64, 8, 3), PREFETCH_INDEX)]
 
 
 def flex(seqs: list[int], ops: list[str]) -> list[dict]:

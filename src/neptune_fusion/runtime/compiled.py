@@ -38,7 +38,7 @@ from neptune_fusion.schedule.pipeline import SPLIT_AXIS, Step, combine_program, 
 from neptune_fusion.schedule.templates import Auto, Autotune, Schedule
 from neptune_fusion.tile.ir import TileKernel
 from neptune_fusion.tile.lower import BLOCK_MAP_PREFIX, COUNTER, LoweringConfig, assign_roles, fused_loop_of, lower
-from neptune_fusion.tile.pipeline import prefetch_first_dot
+from neptune_fusion.tile.pipeline import prefetch_first_dot, prefetch_scalar_loads
 from neptune_fusion.tile.resources import shared_memory_estimate
 from neptune_fusion.transform.layout import group_divisor, pack_groups
 
@@ -308,7 +308,7 @@ class Compiled:
         combine_rows = min(16, 1 << max(0, (sizes[roles.row] - 1).bit_length()))
         key = (program.fingerprint(), tuple(sorted(dtypes.items())), tuple(sorted(full_sizes.items())), plan,
                layout, interpreter, str(device), tma, os.environ.get("NEPTUNE_FUSION_WS", "0"), positive,
-               fused_combine, combine_rows)
+               fused_combine, combine_rows, os.environ.get("NEPTUNE_FUSION_PREFETCH_INDEX", "0"))
         if key in self._cache:
             return self._cache[key]
         steps = list(_fuse_cached(program, plan.splits))
@@ -349,8 +349,12 @@ class Compiled:
                 combine = KernelLaunch(ctile, csource, _load_kernel(csource, ctile.name), cfused)
             else:
                 config.fused_combine = ctile
+        prefetch_index = use_block_map and os.environ.get("NEPTUNE_FUSION_PREFETCH_INDEX", "0") == "1"
+
         def lowered() -> TileKernel:
             tile = lower(fused, config, name)
+            if prefetch_index:
+                tile = prefetch_scalar_loads(tile)
             return prefetch_first_dot(tile) if plan.prefetch_dot else tile
 
         tile = lowered()

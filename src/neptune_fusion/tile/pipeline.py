@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import replace
+from typing import Callable
 
 from neptune_fusion.tile.ir import Assign, If, Loop, Op, Stmt, TileKernel, TVal
 
@@ -36,21 +37,38 @@ _EXPENSIVE = ("load", "desc_load", "dot")
 def prefetch_first_dot(kernel: TileKernel) -> TileKernel:
     """`kernel` with every top-level loop whose first carry-free dot can be computed one
     iteration ahead rewritten so (see the module docstring); other statements unchanged."""
+    return _rewrite(kernel, lambda op: op.kind == "dot",
+                    "software pipelined: each loop's first dot is issued one iteration ahead", peel=True)
+
+
+def prefetch_scalar_loads(kernel: TileKernel) -> TileKernel:
+    """The same rewrite with the first scalar load as the value computed ahead: a loop over the
+    tiles a block map lists reads the next tile's index one iteration early, so the address of
+    each tile load is known when its iteration starts (FlexAttention's kernel does this by hand).
+
+    Example:
+        >>> # kernel = prefetch_scalar_loads(lower(fused, config))
+    """
+    return _rewrite(kernel, lambda op: op.kind == "load" and not op.out.axes,
+                    "software pipelined: each loop's first scalar load (the next tile's index) is read ahead",
+                    peel=False)
+
+
+def _rewrite(kernel: TileKernel, is_root: Callable[[Op], bool], note: str, peel: bool) -> TileKernel:
     names = itertools.count()
     body: list[Stmt] = []
     for st in kernel.body:
-        body.extend(_pipeline(st, names) if isinstance(st, Loop) else [st])
+        body.extend(_pipeline(st, names, is_root, peel) if isinstance(st, Loop) else [st])
     if body == kernel.body:
         return kernel
-    notes = kernel.notes + ["software pipelined: each loop's first dot is issued one iteration ahead"]
-    return replace(kernel, body=body, notes=notes)
+    return replace(kernel, body=body, notes=kernel.notes + [note])
 
 
-def _slice_of_first_dot(loop: Loop) -> list[Op] | None:
-    """The ops (in body order) the first dot needs from inside the loop, if none reads loop-carried state."""
+def _slice_of_first_root(loop: Loop, is_root: Callable[[Op], bool]) -> list[Op] | None:
+    """The ops (in body order) the first root op needs from inside the loop, if none reads loop-carried state."""
     carried = {st.target.name for st in loop.body if isinstance(st, Assign)}
     defined = {st.out.name: st for st in loop.body if isinstance(st, Op)}
-    for dot in (st for st in loop.body if isinstance(st, Op) and st.kind == "dot" and st.out.name not in carried):
+    for dot in (st for st in loop.body if isinstance(st, Op) and is_root(st) and st.out.name not in carried):
         needed: set[str] = set()
         stack, ok = [dot], True
         while stack and ok:
@@ -87,10 +105,13 @@ def _scalar(kind: str, name: str, args: tuple[TVal, ...], **attrs: object) -> Op
     return Op(TVal(name, (), "i32"), kind, args, dict(attrs))
 
 
-def _pipeline(loop: Loop, names: itertools.count) -> list[Stmt]:
+def _pipeline(loop: Loop, names: itertools.count, is_root: Callable[[Op], bool], peel: bool) -> list[Stmt]:
+    """`peel`: run the last iteration after the loop, so nothing past it is computed (for a costly
+    root); otherwise the last iteration computes its successor at the last index again (a cheap
+    root, e.g. a scalar load), and every iteration stays inside the software-pipelined loop."""
     if loop.peeled or any(not isinstance(st, (Op, Assign)) for st in loop.body):
         return [loop]
-    sliced = _slice_of_first_dot(loop)
+    sliced = _slice_of_first_root(loop, is_root)
     if sliced is None:
         return [loop]
     dot = sliced[-1]
@@ -127,11 +148,15 @@ def _pipeline(loop: Loop, names: itertools.count) -> list[Stmt]:
     prologue = _clone(sliced, {loop.var.name: loop.start}, names, keep=dot.out.name)
     nxt = _scalar("binary", f"next_p{n}", (loop.var, step), op="add")
     ahead_map: dict[str, TVal] = {loop.var.name: nxt.out}
+    ahead_head = [nxt]
+    if not peel:
+        ahead_head.append(_scalar("binary", f"next_in_p{n}", (nxt.out, last.out), op="min"))
+        ahead_map[loop.var.name] = ahead_head[-1].out
     ahead = _clone(sliced, ahead_map, names)
-    steady = Loop(loop.var, loop.start, last.out, loop.step,
-                  [nxt, *ahead, *rest_ops, *assigns, Assign(dot.out, ahead_map[dot.out.name])],
-                  loop.comment + " (its first dot issued one iteration ahead)", loop.warp_specialize, peeled=True,
-                  ahead=tuple(op.out.name for op in ahead if isinstance(op, Op)))
-    final = _clone(rest_ops + assigns, {loop.var.name: last.out}, names)
+    steady = Loop(loop.var, loop.start, last.out if peel else loop.stop, loop.step,
+                  [*ahead_head, *ahead, *rest_ops, *assigns, Assign(dot.out, ahead_map[dot.out.name])],
+                  loop.comment + f" ({dot.kind} of {dot.out.name} issued one iteration ahead)", loop.warp_specialize,
+                  peeled=peel, ahead=tuple(op.out.name for op in ahead if isinstance(op, Op)))
+    final = _clone(rest_ops + assigns, {loop.var.name: last.out}, names) if peel else []
     return [cond, If(cond.out, [one, span, span1, iters, offset, last, *prologue, steady, *final],
-                     "a non-empty loop: prologue, pipelined iterations, the last iteration")]
+                     "a non-empty loop: prologue, pipelined iterations" + (", the last iteration" if peel else ""))]
