@@ -289,7 +289,7 @@ class Compiled:
         if plan is None:
             plan = choose(self.schedule, rows=sizes[roles.row], cols=sizes[roles.col], batch=batch,
                           full_sizes=full_sizes, dtype=main_dtype, num_sms=_num_sms(device), interpreter=interpreter,
-                          can_split=not use_block_map)
+                          block_mapped=use_block_map)
         elif plan.splits > 1 and use_block_map:
             plan = Plan(plan.block_row, plan.block_col, plan.num_warps, plan.num_stages, 1, plan.prefetch_dot)
         _check_offsets(fused, roles, args)
@@ -308,7 +308,7 @@ class Compiled:
         combine_rows = min(16, 1 << max(0, (sizes[roles.row] - 1).bit_length()))
         key = (program.fingerprint(), tuple(sorted(dtypes.items())), tuple(sorted(full_sizes.items())), plan,
                layout, interpreter, str(device), tma, os.environ.get("NEPTUNE_FUSION_WS", "0"), positive,
-               fused_combine, combine_rows, os.environ.get("NEPTUNE_FUSION_PREFETCH_INDEX", "0"))
+               fused_combine, combine_rows, os.environ.get("NEPTUNE_FUSION_PREFETCH_INDEX", "1"))
         if key in self._cache:
             return self._cache[key]
         steps = list(_fuse_cached(program, plan.splits))
@@ -349,7 +349,8 @@ class Compiled:
                 combine = KernelLaunch(ctile, csource, _load_kernel(csource, ctile.name), cfused)
             else:
                 config.fused_combine = ctile
-        prefetch_index = use_block_map and os.environ.get("NEPTUNE_FUSION_PREFETCH_INDEX", "0") == "1"
+        # the next listed tile's index read an iteration early: 5-6% faster (document mask, run 16)
+        prefetch_index = use_block_map and os.environ.get("NEPTUNE_FUSION_PREFETCH_INDEX", "1") == "1"
 
         def lowered() -> TileKernel:
             tile = lower(fused, config, name)

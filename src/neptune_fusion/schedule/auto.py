@@ -36,11 +36,12 @@ def _pow2_at_least(n: int, lo: int = 16) -> int:
 
 
 def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: dict[str, int], dtype: str,
-           num_sms: int, interpreter: bool, can_split: bool = True) -> Plan:
+           num_sms: int, interpreter: bool, block_mapped: bool = False) -> Plan:
     """Resolve `schedule` for these sizes (rows: tiled axis, cols: reduced axis, batch: programs per row tile).
 
-    `can_split` is False when tiles are visited from a run-time block map (which lists tiles of
-    whole rows, not of chunks).
+    `block_mapped`: tiles are visited from a run-time block map, which lists tiles of whole rows
+    (so no split-K) and gains from narrower key tiles (document mask at 4k/16k on the H200: 128x64
+    200 / 2159 us, 128x128 223 / 2223 us; bench/results/explore_document_run16.json).
     """
     if isinstance(schedule, Autotune):
         schedule = schedule.base
@@ -54,16 +55,18 @@ def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: 
         block_col = 128 if head <= 128 else 64
         if dtype == "f32":
             block_row, block_col = min(block_row, 64), 32
+        if block_mapped:
+            block_col = min(block_col, 64)
         warps = 8 if block_row >= 128 else 4
         stages = 3 if head <= 128 else 2
     splits = 1
     prefetch = False
     if isinstance(schedule, SplitK):
-        if not can_split:
+        if block_mapped:
             raise ValueError("split_k cannot be combined with a data-dependent mask (its block map lists "
                              "tiles of whole rows); use flash()")
         splits = schedule.splits or 0
-    elif isinstance(schedule, Auto) and can_split:
+    elif isinstance(schedule, Auto) and not block_mapped:
         programs = math.ceil(rows / block_row) * batch
         splits = 0 if programs < num_sms and cols >= 4 * block_col else 1
     if splits == 0:
