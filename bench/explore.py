@@ -2,7 +2,11 @@
 """A/B timing of compiler options in one run: each variant correct against fp32, timed against the
 baselines measured in the same process. Used to decide defaults (bench/NOTES.md records the outcome).
 
-    python bench/explore.py [--parts prefill flex decode]
+    python bench/explore.py [--parts decode prefill flex decode_tiles] [--decode-ops ...]
+        [--decode-seqs ...] [--fused 0 1] [--flex-ops ...] [--flex-seqs ...]
+
+Variants are schedules (`PREFILL_VARIANTS`, `DECODE_TILES`) or environment switches
+(`FLEX_VARIANTS`); edit those lists for the question at hand.
 
 Writes $OUT/explore.json (or bench/results/explore.json) and prints one line per variant.
 """
