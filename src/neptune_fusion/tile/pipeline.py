@@ -64,25 +64,27 @@ def _rewrite(kernel: TileKernel, is_root: Callable[[Op], bool], note: str, peel:
     return replace(kernel, body=body, notes=kernel.notes + [note])
 
 
+def _closure(roots: list[Op], defined: dict[str, Op]) -> set[str]:
+    """Names of `roots` and of every op of `defined` they read, directly or not."""
+    seen: set[str] = set()
+    stack = list(roots)
+    while stack:
+        op = stack.pop()
+        if op.out.name not in seen:
+            seen.add(op.out.name)
+            stack.extend(defined[a.name] for a in op.args if a.name in defined)
+    return seen
+
+
 def _slice_of_first_root(loop: Loop, is_root: Callable[[Op], bool]) -> list[Op] | None:
     """The ops (in body order) the first root op needs from inside the loop, if none reads loop-carried state."""
     carried = {st.target.name for st in loop.body if isinstance(st, Assign)}
-    defined = {st.out.name: st for st in loop.body if isinstance(st, Op)}
-    for dot in (st for st in loop.body if isinstance(st, Op) and is_root(st) and st.out.name not in carried):
-        needed: set[str] = set()
-        stack, ok = [dot], True
-        while stack and ok:
-            op = stack.pop()
-            if op.out.name in needed:
-                continue
-            needed.add(op.out.name)
-            for arg in op.args:
-                if arg.name in carried:
-                    ok = False
-                elif arg.name in defined:
-                    stack.append(defined[arg.name])
-        if ok:
-            return [st for st in loop.body if isinstance(st, Op) and st.out.name in needed]
+    ops = [st for st in loop.body if isinstance(st, Op)]
+    defined = {op.out.name: op for op in ops}
+    for root in (op for op in ops if is_root(op) and op.out.name not in carried):
+        needed = _closure([root], defined)
+        if not any(a.name in carried for name in needed for a in defined[name].args):
+            return [op for op in ops if op.out.name in needed]
     return None
 
 
@@ -114,25 +116,17 @@ def _pipeline(loop: Loop, names: itertools.count, is_root: Callable[[Op], bool],
     sliced = _slice_of_first_root(loop, is_root)
     if sliced is None:
         return [loop]
-    dot = sliced[-1]
-    in_slice = {op.out.name for op in sliced}
-    rest_reads = {a.name for st in loop.body if not (isinstance(st, Op) and st.out.name in in_slice)
-                  for a in (st.args if isinstance(st, Op) else (st.value,))}
+    root = sliced[-1]
+    in_slice = {op.out.name: op for op in sliced}
+    rest_reads = [in_slice[a.name] for st in loop.body if not (isinstance(st, Op) and st.out.name in in_slice)
+                  for a in (st.args if isinstance(st, Op) else (st.value,)) if a.name in in_slice and a.name != root.out.name]
     # slice values the rest reads, with what they need from the slice, are recomputed by the rest
-    by_name = {op.out.name: op for op in sliced}
-    wanted = [name for name in rest_reads if name in by_name and name != dot.out.name]
-    needed: set[str] = set()
-    while wanted:
-        name = wanted.pop()
-        if name not in needed:
-            needed.add(name)
-            wanted.extend(a.name for a in by_name[name].args if a.name in by_name)
+    needed = _closure(rest_reads, in_slice)
     shared = [op for op in sliced if op.out.name in needed]
-    if dot.out.name in {a.name for op in sliced for a in op.args}:
-        return [loop]
     if any(op.kind in _EXPENSIVE and op.out.axes for op in shared):
         return [loop]  # the rest would repeat a tile load or a dot
-    rest = [st for st in loop.body if not (isinstance(st, Op) and st.out.name in in_slice and st not in shared)]
+    moved = in_slice.keys() - needed
+    rest = [st for st in loop.body if not (isinstance(st, Op) and st.out.name in moved)]
     assigns = [st for st in rest if isinstance(st, Assign)]
     rest_ops = [st for st in rest if isinstance(st, Op)]
 
@@ -145,7 +139,7 @@ def _pipeline(loop: Loop, names: itertools.count, is_root: Callable[[Op], bool],
     iters = _scalar("binary", f"iters_p{n}", (span1.out, step), op="floordiv")
     offset = _scalar("binary", f"offset_p{n}", (iters.out, step), op="mul")
     last = _scalar("binary", f"last_p{n}", (loop.start, offset.out), op="add")
-    prologue = _clone(sliced, {loop.var.name: loop.start}, names, keep=dot.out.name)
+    prologue = _clone(sliced, {loop.var.name: loop.start}, names, keep=root.out.name)
     nxt = _scalar("binary", f"next_p{n}", (loop.var, step), op="add")
     ahead_map: dict[str, TVal] = {loop.var.name: nxt.out}
     ahead_head = [nxt]
@@ -154,8 +148,8 @@ def _pipeline(loop: Loop, names: itertools.count, is_root: Callable[[Op], bool],
         ahead_map[loop.var.name] = ahead_head[-1].out
     ahead = _clone(sliced, ahead_map, names)
     steady = Loop(loop.var, loop.start, last.out if peel else loop.stop, loop.step,
-                  [*ahead_head, *ahead, *rest_ops, *assigns, Assign(dot.out, ahead_map[dot.out.name])],
-                  loop.comment + f" ({dot.kind} of {dot.out.name} issued one iteration ahead)", loop.warp_specialize,
+                  [*ahead_head, *ahead, *rest_ops, *assigns, Assign(root.out, ahead_map[root.out.name])],
+                  loop.comment + f" ({root.kind} of {root.out.name} issued one iteration ahead)", loop.warp_specialize,
                   peeled=peel, ahead=tuple(op.out.name for op in ahead if isinstance(op, Op)))
     final = _clone(rest_ops + assigns, {loop.var.name: last.out}, names) if peel else []
     return [cond, If(cond.out, [one, span, span1, iters, offset, last, *prologue, steady, *final],
