@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from contextlib import contextmanager
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +42,27 @@ PREFILL_VARIANTS = {
 }
 
 
+@contextmanager
+def environment_switches(env: dict[str, str]):
+    """Set environment switches for one variant (they are read when a kernel is compiled)."""
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key in env:
+            os.environ.pop(key)
+
+
+def timed(label: str, call: Callable[[], torch.Tensor], check: Callable[[torch.Tensor], float]) -> dict | None:
+    """{"us", "rel_err"} of one variant (its output checked first), or None after printing why it failed."""
+    try:
+        err = check(call())
+        return {"us": bench(call), "rel_err": err}
+    except Exception as exc:  # noqa: BLE001 - record and go on with the other variants
+        print(f"{label} FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+        return None
+
+
 def prefill(seqs: list[int]) -> list[dict]:
     out = []
     for op, prog, causal in (("pf_global", attention, False), ("pf_causal", causal_attention, True)):
@@ -54,14 +77,13 @@ def prefill(seqs: list[int]) -> list[dict]:
             row = {"op": op, "seq": seq, "cudnn_us": cudnn, "variants": {}}
             for name, schedule in PREFILL_VARIANTS.items():
                 fn = nf.compile(prog, schedule=schedule)
-                try:
-                    err = rel_err(fn(q, k, v, scale=scale)[:, :, rows], ref)
-                    t = bench(lambda fn=fn: fn(q, k, v, scale=scale))
-                except Exception as exc:  # noqa: BLE001
-                    print(f"{op} {seq} {name} FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                r = timed(f"{op} {seq} {name}", lambda fn=fn: fn(q, k, v, scale=scale),
+                          lambda o: rel_err(o[:, :, rows], ref))
+                if r is None:
                     continue
-                row["variants"][name] = {"us": t, "rel_err": err, "vs_cudnn": (cudnn / t) if cudnn else None}
-                print(f"{op:10s} {seq:6d} {name:16s} {t:9.1f}us err {err:.1e}  x{(cudnn or 0) / t:.3f} cuDNN "
+                t = r["us"]
+                row["variants"][name] = {**r, "vs_cudnn": (cudnn / t) if cudnn else None}
+                print(f"{op:10s} {seq:6d} {name:16s} {t:9.1f}us err {r['rel_err']:.1e}  x{(cudnn or 0) / t:.3f} cuDNN "
                       f"({cudnn or 0:.1f})", flush=True)
             out.append(row)
     return out
@@ -87,64 +109,57 @@ def flex(seqs: list[int], ops: list[str]) -> list[dict]:
             flex_us = bench(lambda: fl(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa))
             row = {"op": op, "seq": seq, "flex_us": flex_us, "variants": {}}
             for name, schedule, env in FLEX_VARIANTS:
-                os.environ.update(env)
-
                 def call(schedule=schedule):
                     return nf.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, enable_gqa=gqa,
                                         schedule=schedule)
-                try:
-                    err = rel_err(call()[:, :, rows], ref)
-                    t = bench(call)
-                except Exception as exc:  # noqa: BLE001
-                    print(f"{op} {seq} {name} FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                with environment_switches(env):
+                    r = timed(f"{op} {seq} {name}", call, lambda o: rel_err(o[:, :, rows], ref))
+                if r is None:
                     continue
-                finally:
-                    for key in env:
-                        os.environ.pop(key)
-                row["variants"][name] = {"us": t, "rel_err": err, "vs_flex": flex_us / t}
-                print(f"{op:12s} {seq:6d} {name:14s} {t:9.1f}us err {err:.1e}  x{flex_us / t:.3f} Flex ({flex_us:.1f})",
-                      flush=True)
+                row["variants"][name] = {**r, "vs_flex": flex_us / r["us"]}
+                print(f"{op:12s} {seq:6d} {name:14s} {r['us']:9.1f}us err {r['rel_err']:.1e}  "
+                      f"x{flex_us / r['us']:.3f} Flex ({flex_us:.1f})", flush=True)
             out.append(row)
     return out
 
 
+def decode_variants(op: str, seq: int, variants: list[tuple[str, nf.SplitK, dict[str, str]]]) -> dict:
+    """Time split-K schedules (each with its environment switches) for one decode case."""
+    hq, hkv, kind = DECODE_OPS[op]
+    torch.manual_seed(0)
+    q = torch.randn(1, hq, 1, 128, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(1, hkv, seq, 128, device="cuda", dtype=torch.float16) for _ in range(2))
+    slopes = torch.ones(hq, device="cuda")
+    scale = 1 / math.sqrt(128)
+    ref = torch_plain(q.float(), k.float(), v.float(), slopes, scale, kind).float()
+    cudnn = None
+    if kind != "softcap":
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            cudnn = try_time(lambda: F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=hq != hkv))
+    row = {"op": op, "seq": seq, "cudnn_us": cudnn, "variants": {}}
+    for name, schedule, env in variants:
+        fn = nf.compile(plain(kind), schedule=schedule)
+        with environment_switches(env):
+            r = timed(f"{op} {seq} {name}", lambda fn=fn: fn(q, k, v, slopes, scale), lambda o: rel_err(o, ref))
+        if r is None:
+            continue
+        gbps = 2 * hkv * seq * 128 * 2 / (r["us"] * 1e-6) / 1e9
+        row["variants"][name] = {**r, "gbps": gbps}
+        print(f"{op:10s} {seq:6d} {name:18s} {r['us']:8.1f}us {gbps:6.0f} GB/s err {r['rel_err']:.1e} "
+              f"cuDNN {cudnn or 0:.1f}", flush=True)
+    return row
+
+
 def decode(seqs: list[int], ops: list[str], fused_modes: tuple[str, ...]) -> list[dict]:
+    """The automatic split-K plan (and by hand, splits) with the combine in or out of the main kernel."""
     out = []
     for op in ops:
-        hq, hkv, kind = DECODE_OPS[op]
         for seq in seqs:
-            torch.manual_seed(0)
-            q = torch.randn(1, hq, 1, 128, device="cuda", dtype=torch.float16)
-            k, v = (torch.randn(1, hkv, seq, 128, device="cuda", dtype=torch.float16) for _ in range(2))
-            slopes = torch.ones(hq, device="cuda")
-            scale = 1 / math.sqrt(128)
-            ref = torch_plain(q.float(), k.float(), v.float(), slopes, scale, kind).float()
-            cudnn = None
-            if kind != "softcap":
-                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                    cudnn = try_time(lambda: F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=hq != hkv))
-            row = {"op": op, "seq": seq, "cudnn_us": cudnn, "variants": {}}
-            variants = [("auto", None)] + [(f"s{s}", s) for s in (8, 16, 32, 64) if seq >= 16384 and op != "dc_causal"]
-            for fused in fused_modes:
-                os.environ["NEPTUNE_FUSION_FUSED_COMBINE"] = fused
-                for label, splits in variants:
-                    for prefetch in (False, True):
-                        name = f"{label}_fused{fused}" + ("_pf" if prefetch else "")
-                        if prefetch and label != "auto":
-                            continue
-                        fn = nf.compile(plain(kind), schedule=nf.split_k(splits=splits, prefetch_dot=prefetch))
-                        try:
-                            err = rel_err(fn(q, k, v, slopes, scale), ref)
-                            t = bench(lambda fn=fn: fn(q, k, v, slopes, scale))
-                        except Exception as exc:  # noqa: BLE001
-                            print(f"{op} {seq} {name} FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)
-                            continue
-                        gbps = 2 * hkv * seq * 128 * 2 / (t * 1e-6) / 1e9
-                        row["variants"][name] = {"us": t, "rel_err": err, "gbps": gbps}
-                        print(f"{op:10s} {seq:6d} {name:18s} {t:8.1f}us {gbps:6.0f} GB/s err {err:.1e} "
-                              f"cuDNN {cudnn or 0:.1f}", flush=True)
-            os.environ.pop("NEPTUNE_FUSION_FUSED_COMBINE")
-            out.append(row)
+            splits = [None] + [s for s in (8, 16, 32, 64) if seq >= 16384 and op != "dc_causal"]
+            variants = [(f"{'auto' if n is None else f's{n}'}_fused{fused}" + ("_pf" if pf else ""),
+                         nf.split_k(splits=n, prefetch_dot=pf), {"NEPTUNE_FUSION_FUSED_COMBINE": fused})
+                        for fused in fused_modes for n in splits for pf in (False, True) if n is None or not pf]
+            out.append(decode_variants(op, seq, variants))
     return out
 
 
@@ -154,32 +169,9 @@ DECODE_TILES = [(16, 64, 2), (16, 64, 3), (16, 128, 2), (16, 128, 3), (8, 128, 3
 
 def decode_tiles(seqs: list[int], ops: list[str]) -> list[dict]:
     """Split-K (splits, key tile, stages) by hand: how deep the loads in flight should be."""
-    out = []
-    for op in ops:
-        hq, hkv, kind = DECODE_OPS[op]
-        for seq in seqs:
-            torch.manual_seed(0)
-            q = torch.randn(1, hq, 1, 128, device="cuda", dtype=torch.float16)
-            k, v = (torch.randn(1, hkv, seq, 128, device="cuda", dtype=torch.float16) for _ in range(2))
-            slopes = torch.ones(hq, device="cuda")
-            scale = 1 / math.sqrt(128)
-            ref = torch_plain(q.float(), k.float(), v.float(), slopes, scale, kind).float()
-            row = {"op": op, "seq": seq, "variants": {}}
-            for splits, block_k, stages in [(None, None, None), *DECODE_TILES]:
-                name = f"s{splits}_k{block_k}_st{stages}"
-                fn = nf.compile(plain(kind), schedule=nf.split_k(splits=splits, block_k=block_k, num_warps=4,
-                                                                  num_stages=stages))
-                try:
-                    err = rel_err(fn(q, k, v, slopes, scale), ref)
-                    t = bench(lambda fn=fn: fn(q, k, v, slopes, scale))
-                except Exception as exc:  # noqa: BLE001
-                    print(f"{op} {seq} {name} FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)
-                    continue
-                gbps = 2 * hkv * seq * 128 * 2 / (t * 1e-6) / 1e9
-                row["variants"][name] = {"us": t, "rel_err": err, "gbps": gbps}
-                print(f"{op:10s} {seq:6d} {name:18s} {t:8.1f}us {gbps:6.0f} GB/s err {err:.1e}", flush=True)
-            out.append(row)
-    return out
+    variants = [(f"s{n}_k{bk}_st{st}", nf.split_k(splits=n, block_k=bk, num_warps=4, num_stages=st), {})
+                for n, bk, st in [(None, None, None), *DECODE_TILES]]
+    return [decode_variants(op, seq, variants) for op in ops for seq in seqs]
 
 
 def main() -> None:
