@@ -33,13 +33,12 @@ from bench.flex_ops import reference_rows as flex_reference
 from bench.prefill import reference_rows
 from neptune_fusion.library import attention, causal_attention
 
-PREFILL_VARIANTS = {
-    "128x128_s3": nf.flash(128, 128, 8, 3),
-    "128x128_s3_pf": nf.flash(128, 128, 8, 3, prefetch_dot=True),
-    "128x64_s3_pf": nf.flash(128, 64, 8, 3, prefetch_dot=True),
-    "128x64_s4_pf": nf.flash(128, 64, 8, 4, prefetch_dot=True),
-    "128x64_s4": nf.flash(128, 64, 8, 4),
-}
+
+def grid_group(group: int) -> dict[str, str]:
+    return {"NEPTUNE_FUSION_GRID_GROUP": str(group)}
+
+
+PREFILL_VARIANTS = [(f"128x128_s3_g{g}", nf.flash(128, 128, 8, 3), grid_group(g)) for g in (1, 2, 4, 8, 16, 64)]
 
 
 @contextmanager
@@ -75,10 +74,11 @@ def prefill(seqs: list[int]) -> list[dict]:
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 cudnn = try_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale))
             row = {"op": op, "seq": seq, "cudnn_us": cudnn, "variants": {}}
-            for name, schedule in PREFILL_VARIANTS.items():
+            for name, schedule, env in PREFILL_VARIANTS:
                 fn = nf.compile(prog, schedule=schedule)
-                r = timed(f"{op} {seq} {name}", lambda fn=fn: fn(q, k, v, scale=scale),
-                          lambda o: rel_err(o[:, :, rows], ref))
+                with environment_switches(env):
+                    r = timed(f"{op} {seq} {name}", lambda fn=fn: fn(q, k, v, scale=scale),
+                              lambda o: rel_err(o[:, :, rows], ref))
                 if r is None:
                     continue
                 t = r["us"]
@@ -89,9 +89,7 @@ def prefill(seqs: list[int]) -> list[dict]:
     return out
 
 
-PREFETCH_INDEX = {"NEPTUNE_FUSION_PREFETCH_INDEX": "1"}
-FLEX_VARIANTS = [("auto", None, {}), ("prefetch_index", nf.flash(), PREFETCH_INDEX),  # distinct schedules: fresh compiles
-                 ("128x64_prefetch_index", nf.flash(128, 64, 8, 3), PREFETCH_INDEX)]
+FLEX_VARIANTS = [(f"g{g}", None, grid_group(g)) for g in (1, 4, 16, 64)]
 
 
 def flex(seqs: list[int], ops: list[str]) -> list[dict]:

@@ -308,9 +308,11 @@ class Compiled:
         combine_rows = min(16, 1 << max(0, (sizes[roles.row] - 1).bit_length()))
         # the next listed tile's index read an iteration early: 5-6% faster (document mask, run 16)
         prefetch_index = use_block_map and os.environ.get("NEPTUNE_FUSION_PREFETCH_INDEX", "1") == "1"
+        # the fused combine tail indexes row tiles and heads by the plain grid order
+        grid_group = 1 if plan.splits > 1 else int(os.environ.get("NEPTUNE_FUSION_GRID_GROUP", "1"))
         key = (program.fingerprint(), tuple(sorted(dtypes.items())), tuple(sorted(full_sizes.items())), plan,
                layout, interpreter, str(device), tma, os.environ.get("NEPTUNE_FUSION_WS", "0"), positive,
-               fused_combine, combine_rows, prefetch_index)
+               fused_combine, combine_rows, prefetch_index, grid_group)
         if key in self._cache:
             return self._cache[key]
         steps = list(_fuse_cached(program, plan.splits))
@@ -330,7 +332,8 @@ class Compiled:
         config = LoweringConfig(dtypes, full_sizes, plan.block_row, plan.block_col, plan.num_warps,
                                 plan.num_stages, plan.splits, dot_dtype, partial_outputs=plan.splits > 1,
                                 block_map_axes=block_axes, tma_buffers=tma, positive_params=positive,
-                                warp_specialize=os.environ.get("NEPTUNE_FUSION_WS", "0") == "1" and not interpreter)
+                                warp_specialize=os.environ.get("NEPTUNE_FUSION_WS", "0") == "1" and not interpreter,
+                                grid_group=grid_group)
         target = "interpreter" if interpreter else "cuda"
         name = f"nf_{program.name}"
         combine = None

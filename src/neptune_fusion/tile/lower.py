@@ -90,6 +90,7 @@ class LoweringConfig:
     warp_specialize: bool = False  # ask Triton to split the loop into producer / consumer warps
     positive_params: frozenset[str] = frozenset()  # float parameters whose value is > 0 (specialised on)
     fused_combine: TileKernel | None = None  # split-K: the last program of a row tile runs this combine
+    grid_group: int = 1  # programs walk row tiles (heaviest first) across this many batch entries at once
     notes: list[str] = field(default_factory=list)
 
 
@@ -585,14 +586,20 @@ class KernelBuilder:
     def build(self) -> TileKernel:
         roles, cfg = self.roles, self.config
         # program ids: rows (heaviest tiles first), flattened batch, split
-        pid_r = self.op("program_id", (), "i32", prefix="pid", dim=0)
         n_rows = self.size(roles.row)
         n_tiles = self.op("cdiv", (), "i32", (n_rows,), prefix="ntiles", block="BLOCK_R")
+        batch = " * ".join(f"size_{a}" for a in roles.batch) or "1"
+        if cfg.grid_group > 1:
+            pid_r, pid_b = self._grouped_program_ids(n_tiles, cfg.grid_group)
+            grid = [f"cdiv(size_{roles.row}, BLOCK_R) * ({batch})", "1"]
+        else:
+            pid_r = self.op("program_id", (), "i32", prefix="pid", dim=0)
+            pid_b = self.op("program_id", (), "i32", prefix="pid", dim=1)
+            grid = [f"cdiv(size_{roles.row}, BLOCK_R)", batch]
         last = self.bin("sub", n_tiles, self.const(1))
         row_tile = self.bin("sub", last, pid_r)
         r0 = self.bin("mul", row_tile, TVal("BLOCK_R", (), "i32"))
         self.bindings: dict[str, TVal] = {}
-        pid_b = self.op("program_id", (), "i32", prefix="pid", dim=1)
         rest = pid_b
         for axis in reversed(roles.batch):
             size = self.size(axis)
@@ -615,11 +622,27 @@ class KernelBuilder:
         self._emit_outputs(state, valid)
         if cfg.partial_outputs and cfg.fused_combine is not None:
             self._emit_combine_tail(cfg.fused_combine, pid_b, n_tiles, row_tile)
-        grid = [f"cdiv(size_{roles.row}, BLOCK_R)", " * ".join(f"size_{a}" for a in roles.batch) or "1"]
         if cfg.splits > 1:
             grid.append("SPLITS")
         return TileKernel(self.name, self.args, roles.tile_axes, self.block, grid, self.body, cfg.num_warps,
                           cfg.num_stages, self.constexprs, list(cfg.notes))
+
+    def _grouped_program_ids(self, n_tiles: TVal, group: int) -> tuple[TVal, TVal]:
+        """(row program, batch entry) of a one-axis grid that runs the row tiles of `group` batch
+        entries (heads) interleaved, heaviest row tile first across them: while a group's keys and
+        values stay in L2, the programs that end the launch are the short ones."""
+        self.constexprs["GROUP_B"] = group
+        group_size = TVal("GROUP_B", (), "i32")
+        batch = self.const(1)
+        for axis in self.roles.batch:
+            batch = self.bin("mul", batch, self.size(axis))
+        pid = self.op("program_id", (), "i32", prefix="pid", dim=0)
+        per_group = self.bin("mul", n_tiles, group_size)
+        index = self.bin("floordiv", pid, per_group)
+        first = self.bin("mul", index, group_size)
+        width = self.bin("min", self.bin("sub", batch, first), group_size)
+        local = self.bin("sub", pid, self.bin("mul", index, per_group))
+        return self.bin("floordiv", local, width), self.bin("add", first, self.bin("mod", local, width))
 
     def _init_state(self) -> dict[str, TVal]:
         state: dict[str, TVal] = {}
