@@ -31,6 +31,7 @@ from bench.decode import plain, torch_plain
 from bench.flex_ops import make_case
 from bench.flex_ops import reference_rows as flex_reference
 from bench.prefill import reference_rows
+from neptune_fusion.integrations.attention import clear_cache
 from neptune_fusion.library import attention, causal_attention
 
 
@@ -38,7 +39,7 @@ def grid_group(group: int) -> dict[str, str]:
     return {"NEPTUNE_FUSION_GRID_GROUP": str(group)}
 
 
-PREFILL_VARIANTS = [(f"128x128_s3_g{g}", nf.flash(128, 128, 8, 3), grid_group(g)) for g in (1, 2, 4, 8, 16, 64)]
+PREFILL_VARIANTS = [("auto", None, {}), ("g1", nf.flash(128, 128, 8, 3), grid_group(1))]
 
 
 @contextmanager
@@ -89,7 +90,7 @@ def prefill(seqs: list[int]) -> list[dict]:
     return out
 
 
-FLEX_VARIANTS = [(f"g{g}", None, grid_group(g)) for g in (1, 4, 16, 64)]
+FLEX_VARIANTS = [("auto", None, {}), ("g1", None, grid_group(1))]
 
 
 def flex(seqs: list[int], ops: list[str]) -> list[dict]:
@@ -110,6 +111,7 @@ def flex(seqs: list[int], ops: list[str]) -> list[dict]:
                 def call(schedule=schedule):
                     return nf.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, enable_gqa=gqa,
                                         schedule=schedule)
+                clear_cache()  # a fresh compile: the switches are read when a kernel is compiled
                 with environment_switches(env):
                     r = timed(f"{op} {seq} {name}", call, lambda o: rel_err(o[:, :, rows], ref))
                 if r is None:
@@ -148,15 +150,14 @@ def decode_variants(op: str, seq: int, variants: list[tuple[str, nf.SplitK, dict
     return row
 
 
-def decode(seqs: list[int], ops: list[str], fused_modes: tuple[str, ...]) -> list[dict]:
+def decode(seqs: list[int], ops: list[str], fused_modes: tuple[str, ...], by_hand: list[int]) -> list[dict]:
     """The automatic split-K plan (and by hand, splits) with the combine in or out of the main kernel."""
     out = []
     for op in ops:
         for seq in seqs:
-            splits = [None] + [s for s in (8, 16, 32, 64) if seq >= 16384 and op != "dc_causal"]
-            variants = [(f"{'auto' if n is None else f's{n}'}_fused{fused}" + ("_pf" if pf else ""),
-                         nf.split_k(splits=n, prefetch_dot=pf), {"NEPTUNE_FUSION_FUSED_COMBINE": fused})
-                        for fused in fused_modes for n in splits for pf in (False, True) if n is None or not pf]
+            splits = [None] + [s for s in by_hand if seq >= 64 * s]
+            variants = [(f"{'auto' if n is None else f's{n}'}_fused{fused}", nf.split_k(splits=n),
+                         {"NEPTUNE_FUSION_FUSED_COMBINE": fused}) for fused in fused_modes for n in splits]
             out.append(decode_variants(op, seq, variants))
     return out
 
@@ -178,6 +179,7 @@ def main() -> None:
     ap.add_argument("--decode-ops", nargs="+", default=["dc_causal", "dc_gqa", "dc_softcap"])
     ap.add_argument("--decode-seqs", type=int, nargs="+", default=[1024, 16384, 32768])
     ap.add_argument("--fused", nargs="+", default=["0", "1"], help="NEPTUNE_FUSION_FUSED_COMBINE settings to time")
+    ap.add_argument("--decode-splits", type=int, nargs="*", default=[8, 16, 32, 64], help="split counts by hand")
     ap.add_argument("--flex-ops", nargs="+", default=["pf_alibi", "pf_gqa", "pf_document", "pf_prefix_lm"])
     ap.add_argument("--flex-seqs", type=int, nargs="+", default=[4096])
     args = ap.parse_args()
@@ -190,7 +192,7 @@ def main() -> None:
             elif part == "flex":
                 results[part] = flex(args.flex_seqs, args.flex_ops)
             elif part == "decode":
-                results[part] = decode(args.decode_seqs, args.decode_ops, tuple(args.fused))
+                results[part] = decode(args.decode_seqs, args.decode_ops, tuple(args.fused), args.decode_splits)
             elif part == "decode_tiles":
                 results[part] = decode_tiles(args.decode_seqs, args.decode_ops)
         except Exception as exc:  # noqa: BLE001 - keep what the other parts measured

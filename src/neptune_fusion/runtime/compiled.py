@@ -37,7 +37,15 @@ from neptune_fusion.schedule.auto import Plan, choose
 from neptune_fusion.schedule.pipeline import SPLIT_AXIS, Step, combine_program, fuse
 from neptune_fusion.schedule.templates import Auto, Autotune, Schedule
 from neptune_fusion.tile.ir import TileKernel
-from neptune_fusion.tile.lower import BLOCK_MAP_PREFIX, COUNTER, LoweringConfig, assign_roles, fused_loop_of, lower
+from neptune_fusion.tile.lower import (
+    BLOCK_MAP_PREFIX,
+    COUNTER,
+    AxisRoles,
+    LoweringConfig,
+    assign_roles,
+    fused_loop_of,
+    lower,
+)
 from neptune_fusion.tile.pipeline import prefetch_first_dot, prefetch_scalar_loads
 from neptune_fusion.tile.resources import shared_memory_estimate
 from neptune_fusion.transform.layout import group_divisor, pack_groups
@@ -249,6 +257,34 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
+def _l2_bytes(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).L2_cache_size
+
+
+def _grid_group(program: Program, args: dict[str, Any], roles: AxisRoles, batch: int, splits: int,
+                device: torch.device) -> int:
+    """How many batch entries (heads) run their row tiles interleaved, heaviest first
+    (tile/lower.py `_grouped_program_ids`; NEPTUNE_FUSION_GRID_GROUP overrides).
+
+    As many as keep the tiles they stream along the loop axis within a sixth of L2. On the H200
+    (50 MB L2) causal prefill at 4k ran 370 us one head at a time, 334 us four at a time and 342 us
+    all 32 at once; at 16k, where each head streams 8 MB, groups of 8 or more were 6-15% slower
+    (bench/results/explore_grid_group_run18.json).
+    """
+    setting = os.environ.get("NEPTUNE_FUSION_GRID_GROUP")
+    if splits > 1:
+        return 1  # the fused combine tail indexes row tiles and heads by the plain grid order
+    if setting:
+        return max(1, int(setting))
+    if device.type != "cuda":
+        return 1
+    streamed = sum(args[b.name].numel() * args[b.name].element_size() for b in program.inputs
+                   if roles.col in b.dims and roles.row not in b.dims)
+    per_entry = max(1, streamed // max(1, batch))
+    budget = _l2_bytes(device) // 6
+    return max(1, min(batch, budget // per_entry))
+
+
 class Compiled:
     """A program compiled for the GPU: call it with torch tensors (and Python scalars).
 
@@ -308,8 +344,7 @@ class Compiled:
         combine_rows = min(16, 1 << max(0, (sizes[roles.row] - 1).bit_length()))
         # the next listed tile's index read an iteration early: 5-6% faster (document mask, run 16)
         prefetch_index = use_block_map and os.environ.get("NEPTUNE_FUSION_PREFETCH_INDEX", "1") == "1"
-        # the fused combine tail indexes row tiles and heads by the plain grid order
-        grid_group = 1 if plan.splits > 1 else int(os.environ.get("NEPTUNE_FUSION_GRID_GROUP", "1"))
+        grid_group = _grid_group(program, args, roles, batch, plan.splits, device)
         key = (program.fingerprint(), tuple(sorted(dtypes.items())), tuple(sorted(full_sizes.items())), plan,
                layout, interpreter, str(device), tma, os.environ.get("NEPTUNE_FUSION_WS", "0"), positive,
                fused_combine, combine_rows, prefetch_index, grid_group)

@@ -69,18 +69,21 @@ def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: 
     elif isinstance(schedule, Auto) and not block_mapped:
         programs = math.ceil(rows / block_row) * batch
         splits = 0 if programs < num_sms and cols >= 4 * block_col else 1
-    if splits == 0:
-        # memory-bound: about four programs per multiprocessor keep enough loads in flight
-        # (H200 sweeps, bench/results/decode_sweep_run2.json), rounded down so no multiprocessor
-        # gets an extra one; each chunk at least four tiles long. The combine merges splits x rows
-        # partial states, so programs with several rows (packed GQA groups, speculative decoding)
-        # take fewer splits (GQA 64/8 at 16k: 16 splits 34 us, 64 splits 44 us,
-        # bench/results/explore_decode_run10.json)
+    if splits != 1:
+        # memory-bound: 64-wide key tiles, 4 warps, 2 stages (H200 sweeps,
+        # bench/results/decode_sweep_run2.json), whether the split count is given or chosen
         if not interpreter:
             block_col, warps, stages = 64, 4, 2
         programs = math.ceil(rows / block_row) * batch
+    if splits == 0:
+        # about four programs per multiprocessor keep enough loads in flight, rounded down so no
+        # multiprocessor gets an extra one; each chunk at least four tiles long. The combine merges
+        # splits x rows partial states, so programs with several rows (packed GQA groups,
+        # speculative decoding) take fewer splits (GQA 64/8 at 16k: 16 splits 34 us, 64 splits
+        # 44 us, bench/results/explore_decode_run10.json)
         wanted = max(1, (4 * num_sms) // (programs * min(4, rows)))
         splits = max(1, min(wanted, cols // (4 * block_col), 128))
+    if splits > 1:
         # a memory-bound loop needs enough bytes in flight per multiprocessor: with at most one
         # program on each, its key tiles are twice as wide (packed GQA 64/8 at 16k: 34.8 us with
         # 128-wide tiles, 43.5 us with 64; bench/results/explore_decode_tiles_run12.json)

@@ -1,0 +1,114 @@
+"""The grouped program order: row tiles of GROUP_B heads interleaved, heaviest first.
+
+The order only changes which program computes which (head, row tile), so every kernel must give the
+same result with any group size, including a last group with fewer heads than the others.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import math  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import neptune_fusion as nf  # noqa: E402
+from neptune_fusion.integrations.attention import clear_cache  # noqa: E402
+from neptune_fusion.library import causal_attention  # noqa: E402
+from neptune_fusion.runtime import compiled as compiled_module  # noqa: E402
+from neptune_fusion.tile.lower import assign_roles, fused_loop_of  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning",
+                                        "ignore:divide by zero encountered:RuntimeWarning")
+
+
+def _qkv(b: int, hq: int, hkv: int, lq: int, lk: int, d: int, dtype: torch.dtype = torch.float32):
+    gen = torch.Generator().manual_seed(hq * 1000 + lq)
+    q = torch.randn(b, hq, lq, d, generator=gen).to(dtype)
+    k = torch.randn(b, hkv, lk, d, generator=gen).to(dtype)
+    v = torch.randn(b, hkv, lk, d, generator=gen).to(dtype)
+    return q, k, v
+
+
+def _softmax_attention(q, k, v, bias=None, mask=None):
+    q, k, v = q.double(), k.double(), v.double()
+    ratio = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(ratio, 1), v.repeat_interleave(ratio, 1)
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if bias is not None:
+        s = s + bias
+    if mask is not None:
+        s = s.masked_fill(~mask, -math.inf)
+    return torch.nan_to_num(torch.softmax(s, -1)) @ v
+
+
+def _rel(out, ref):
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 64])
+def test_grouped_order_keeps_causal_alibi_exact(monkeypatch, group):
+    monkeypatch.setenv("NEPTUNE_FUSION_GRID_GROUP", str(group))
+    clear_cache()
+    b, h, n = 2, 5, 77  # 10 batch entries: groups of 3 leave a last group of 1
+    q, k, v = _qkv(b, h, h, n, n, 16)
+    slopes = torch.linspace(0.1, 0.9, h)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    out = nf.attention(q, k, v, score_mod=alibi, mask_mod=causal)
+    pos = torch.arange(n)
+    bias = slopes[:, None, None].double() * (pos[None, None, :] - pos[None, :, None])
+    ref = _softmax_attention(q, k, v, bias=bias, mask=pos[:, None] >= pos[None, :])
+    assert _rel(out, ref) < 2e-5
+
+
+@pytest.mark.parametrize("group", [2, 4])
+def test_grouped_order_with_gqa_and_document_block_map(monkeypatch, group):
+    monkeypatch.setenv("NEPTUNE_FUSION_GRID_GROUP", str(group))
+    clear_cache()
+    q, k, v = _qkv(1, 6, 2, 70, 70, 16, torch.float16)
+    doc = torch.tensor([0] * 20 + [1] * 35 + [2] * 15)
+
+    def same_doc(b, h, q_idx, kv_idx):
+        return doc[q_idx] == doc[kv_idx]
+
+    out = nf.attention(q, k, v, mask_mod=same_doc, enable_gqa=True)
+    ref = _softmax_attention(q, k, v, mask=doc[:, None] == doc[None, :])
+    assert _rel(out, ref) < 3e-3
+
+
+def test_grouped_order_plain_compile(monkeypatch):
+    monkeypatch.setenv("NEPTUNE_FUSION_GRID_GROUP", "3")
+    q, k, v = _qkv(1, 4, 4, 100, 100, 32)
+    out = nf.compile(causal_attention)(q, k, v, scale=1 / math.sqrt(32))
+    ref = _softmax_attention(q, k, v, mask=torch.ones(100, 100, dtype=torch.bool).tril())
+    assert _rel(out, ref) < 2e-5
+
+
+def test_group_size_keeps_streamed_tiles_within_a_sixth_of_l2(monkeypatch):
+    monkeypatch.delenv("NEPTUNE_FUSION_GRID_GROUP", raising=False)
+    monkeypatch.setattr(compiled_module, "_l2_bytes", lambda device: 48 << 20)
+    fn = nf.compile(causal_attention)
+    cuda = torch.device("cuda")
+
+    def group(hq: int, hkv: int, seq: int, splits: int = 1) -> int:
+        q, k, v = (torch.empty(1, h, seq, 128, dtype=torch.float16) for h in (hq, hkv, hkv))
+        named = dict(fn.program_def.bind(q, k, v, scale=0.1))
+        program = fn.program_def.trace(**named)
+        roles = assign_roles(compiled_module._fuse_cached(program, 1)[-1].program)
+        assert fused_loop_of(compiled_module._fuse_cached(program, 1)[-1].program).axis == roles.col
+        return compiled_module._grid_group(program, named, roles, hq, splits, cuda)
+
+    assert group(32, 32, 4096) == 4  # each head streams 2 MB of keys and values: 4 heads in 8 MB
+    assert group(32, 32, 16384) == 1  # 8 MB a head
+    assert group(32, 32, 1024) == 16
+    assert group(4, 4, 1024) == 4  # never more than the batch
+    assert group(32, 32, 4096, splits=8) == 1  # split-K keeps the plain order
