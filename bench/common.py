@@ -15,18 +15,21 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch._inductor.config
 import triton
 
 # many shapes and mods are compiled in one process: let FlexAttention recompile for each instead of
 # silently falling back to eager after the default limit of 8
 torch._dynamo.config.recompile_limit = 256
 torch._dynamo.config.accumulated_recompile_limit = 4096
+# no background compile workers: they compete with the host side of the launches being timed
+torch._inductor.config.compile_threads = 1
 
 
 def environment() -> dict[str, Any]:
     props = torch.cuda.get_device_properties(0)
     return {
-        "gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+        "gpu": props.name, "sms": props.multi_processor_count, "l2_bytes": props.L2_cache_size, "torch": torch.__version__,
         "triton": triton.__version__, "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }

@@ -39,7 +39,8 @@ def grid_group(group: int) -> dict[str, str]:
     return {"NEPTUNE_FUSION_GRID_GROUP": str(group)}
 
 
-PREFILL_VARIANTS = [("auto", None, {}), ("g1", nf.flash(128, 128, 8, 3), grid_group(1))]
+PREFILL_VARIANTS = [(f"g{g}{suffix}", nf.flash(128, 128, 8, 3), grid_group(g))
+                    for suffix in ("", "_again") for g in (1, 2, 3, 4, 5, 6, 8, 16)]
 
 
 @contextmanager
@@ -63,10 +64,10 @@ def timed(label: str, call: Callable[[], torch.Tensor], check: Callable[[torch.T
         return None
 
 
-def prefill(seqs: list[int]) -> list[dict]:
+def prefill(seqs: list[int], ops: list[str]) -> list[dict]:
     out = []
     for op, prog, causal in (("pf_global", attention, False), ("pf_causal", causal_attention, True)):
-        for seq in seqs:
+        for seq in seqs if op in ops else ():
             torch.manual_seed(0)
             q, k, v = (torch.randn(1, 32, seq, 128, device="cuda", dtype=torch.float16) for _ in range(3))
             scale = 1 / math.sqrt(128)
@@ -83,14 +84,17 @@ def prefill(seqs: list[int]) -> list[dict]:
                 if r is None:
                     continue
                 t = r["us"]
-                row["variants"][name] = {**r, "vs_cudnn": (cudnn / t) if cudnn else None}
+                exe = next(iter(fn._cache.values()))
+                group = exe.main.tile.constexprs.get("GROUP_B", 1)
+                row["variants"][name] = {**r, "vs_cudnn": (cudnn / t) if cudnn else None, "plan": str(exe.plan),
+                                         "grid_group": group}
                 print(f"{op:10s} {seq:6d} {name:16s} {t:9.1f}us err {r['rel_err']:.1e}  x{(cudnn or 0) / t:.3f} cuDNN "
-                      f"({cudnn or 0:.1f})", flush=True)
+                      f"({cudnn or 0:.1f}) group {group}", flush=True)
             out.append(row)
     return out
 
 
-FLEX_VARIANTS = [("auto", None, {}), ("g1", None, grid_group(1))]
+FLEX_VARIANTS = [("auto", None, {})] + [(f"g{g}", None, grid_group(g)) for g in (1, 4, 32)]
 
 
 def flex(seqs: list[int], ops: list[str]) -> list[dict]:
@@ -176,6 +180,8 @@ def decode_tiles(seqs: list[int], ops: list[str]) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--parts", nargs="+", default=["decode", "prefill", "flex"])
+    ap.add_argument("--prefill-ops", nargs="+", default=["pf_global", "pf_causal"])
+    ap.add_argument("--prefill-seqs", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--decode-ops", nargs="+", default=["dc_causal", "dc_gqa", "dc_softcap"])
     ap.add_argument("--decode-seqs", type=int, nargs="+", default=[1024, 16384, 32768])
     ap.add_argument("--fused", nargs="+", default=["0", "1"], help="NEPTUNE_FUSION_FUSED_COMBINE settings to time")
@@ -188,7 +194,7 @@ def main() -> None:
     for part in args.parts:
         try:
             if part == "prefill":
-                results[part] = prefill([4096, 16384])
+                results[part] = prefill(args.prefill_seqs, args.prefill_ops)
             elif part == "flex":
                 results[part] = flex(args.flex_seqs, args.flex_ops)
             elif part == "decode":

@@ -19,7 +19,6 @@ import neptune_fusion as nf  # noqa: E402
 from neptune_fusion.integrations.attention import clear_cache  # noqa: E402
 from neptune_fusion.library import causal_attention  # noqa: E402
 from neptune_fusion.runtime import compiled as compiled_module  # noqa: E402
-from neptune_fusion.tile.lower import assign_roles, fused_loop_of  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning",
                                         "ignore:divide by zero encountered:RuntimeWarning")
@@ -93,22 +92,18 @@ def test_grouped_order_plain_compile(monkeypatch):
     assert _rel(out, ref) < 2e-5
 
 
-def test_group_size_keeps_streamed_tiles_within_a_sixth_of_l2(monkeypatch):
+def test_group_is_the_largest_divisor_of_the_batch_that_fits_one_wave(monkeypatch):
     monkeypatch.delenv("NEPTUNE_FUSION_GRID_GROUP", raising=False)
-    monkeypatch.setattr(compiled_module, "_l2_bytes", lambda device: 48 << 20)
-    fn = nf.compile(causal_attention)
     cuda = torch.device("cuda")
 
-    def group(hq: int, hkv: int, seq: int, splits: int = 1) -> int:
-        q, k, v = (torch.empty(1, h, seq, 128, dtype=torch.float16) for h in (hq, hkv, hkv))
-        named = dict(fn.program_def.bind(q, k, v, scale=0.1))
-        program = fn.program_def.trace(**named)
-        roles = assign_roles(compiled_module._fuse_cached(program, 1)[-1].program)
-        assert fused_loop_of(compiled_module._fuse_cached(program, 1)[-1].program).axis == roles.col
-        return compiled_module._grid_group(program, named, roles, hq, splits, cuda)
+    def group(row_tiles: int, batch: int, splits: int = 1, block_mapped: bool = False) -> int:
+        return compiled_module._grid_group(row_tiles, batch, splits, 132, block_mapped, cuda)
 
-    assert group(32, 32, 4096) == 4  # each head streams 2 MB of keys and values: 4 heads in 8 MB
-    assert group(32, 32, 16384) == 1  # 8 MB a head
-    assert group(32, 32, 1024) == 16
-    assert group(4, 4, 1024) == 4  # never more than the batch
-    assert group(32, 32, 4096, splits=8) == 1  # split-K keeps the plain order
+    assert group(32, 32) == 4  # 4 heads x 32 row tiles: one wave of 128 programs on 132 SMs
+    assert group(8, 32) == 16
+    assert group(128, 32) == 1
+    assert group(32, 30) == 3  # 4 does not divide 30 heads
+    assert group(8, 4) == 4  # never more than the batch
+    assert group(32, 32, splits=8) == 1  # split-K keeps the plain order
+    assert group(32, 32, block_mapped=True) == 32
+    assert compiled_module._grid_group(32, 32, 1, 132, False, torch.device("cpu")) == 1

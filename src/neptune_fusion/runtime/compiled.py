@@ -40,7 +40,6 @@ from neptune_fusion.tile.ir import TileKernel
 from neptune_fusion.tile.lower import (
     BLOCK_MAP_PREFIX,
     COUNTER,
-    AxisRoles,
     LoweringConfig,
     assign_roles,
     fused_loop_of,
@@ -257,19 +256,18 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
-def _l2_bytes(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).L2_cache_size
-
-
-def _grid_group(program: Program, args: dict[str, Any], roles: AxisRoles, batch: int, splits: int,
+def _grid_group(row_tiles: int, batch: int, splits: int, num_sms: int, block_mapped: bool,
                 device: torch.device) -> int:
     """How many batch entries (heads) run their row tiles interleaved, heaviest first
     (tile/lower.py `_grouped_program_ids`; NEPTUNE_FUSION_GRID_GROUP overrides).
 
-    As many as keep the tiles they stream along the loop axis within a sixth of L2. On the H200
-    (50 MB L2) causal prefill at 4k ran 370 us one head at a time, 334 us four at a time and 342 us
-    all 32 at once; at 16k, where each head streams 8 MB, groups of 8 or more were 6-15% slower
-    (bench/results/explore_grid_group_run18.json).
+    The largest divisor of the batch whose group still fits one wave of programs: each wave then
+    starts with the longest row tiles of its group and ends with the shortest. On the H200 causal
+    prefill (32 heads) ran 1.09-1.28x faster than one head at a time at 1k-8k with groups of 16 / 8 /
+    4 / 2, while groups that did not divide the heads or overfilled a wave gained nothing (4k: 4 heads
+    333 us, 5 or 6 heads 372-377 us, 1 head 372 us; bench/results/explore_grid_sweep_run21.json).
+    Block-mapped loops read only the tiles listed for their row tile, so their working set stays small
+    with every head in one group (document mask at 4k: 168 us, 4 heads 194 us, 1 head 201 us).
     """
     setting = os.environ.get("NEPTUNE_FUSION_GRID_GROUP")
     if splits > 1:
@@ -278,11 +276,10 @@ def _grid_group(program: Program, args: dict[str, Any], roles: AxisRoles, batch:
         return max(1, int(setting))
     if device.type != "cuda":
         return 1
-    streamed = sum(args[b.name].numel() * args[b.name].element_size() for b in program.inputs
-                   if roles.col in b.dims and roles.row not in b.dims)
-    per_entry = max(1, streamed // max(1, batch))
-    budget = _l2_bytes(device) // 6
-    return max(1, min(batch, budget // per_entry))
+    if block_mapped:
+        return batch
+    fit = max(1, min(batch, num_sms // max(1, row_tiles)))
+    return max(d for d in range(1, fit + 1) if batch % d == 0)
 
 
 class Compiled:
@@ -344,7 +341,8 @@ class Compiled:
         combine_rows = min(16, 1 << max(0, (sizes[roles.row] - 1).bit_length()))
         # the next listed tile's index read an iteration early: 5-6% faster (document mask, run 16)
         prefetch_index = use_block_map and os.environ.get("NEPTUNE_FUSION_PREFETCH_INDEX", "1") == "1"
-        grid_group = _grid_group(program, args, roles, batch, plan.splits, device)
+        grid_group = _grid_group(math.ceil(sizes[roles.row] / plan.block_row), batch, plan.splits, _num_sms(device),
+                                 use_block_map, device)
         key = (program.fingerprint(), tuple(sorted(dtypes.items())), tuple(sorted(full_sizes.items())), plan,
                layout, interpreter, str(device), tma, os.environ.get("NEPTUNE_FUSION_WS", "0"), positive,
                fused_combine, combine_rows, prefetch_index, grid_group)
