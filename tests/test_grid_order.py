@@ -105,5 +105,6 @@ def test_group_is_the_largest_divisor_of_the_batch_that_fits_one_wave(monkeypatc
     assert group(32, 30) == 3  # 4 does not divide 30 heads
     assert group(8, 4) == 4  # never more than the batch
     assert group(32, 32, splits=8) == 1  # split-K keeps the plain order
-    assert group(32, 32, block_mapped=True) == 32
+    assert group(32, 32, block_mapped=True) == 32  # 1024 programs: at most eight waves
+    assert group(128, 32, block_mapped=True) == 1
     assert compiled_module._grid_group(32, 32, 1, 132, False, torch.device("cpu")) == 1

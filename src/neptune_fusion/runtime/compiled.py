@@ -266,8 +266,10 @@ def _grid_group(row_tiles: int, batch: int, splits: int, num_sms: int, block_map
     prefill (32 heads) ran 1.09-1.28x faster than one head at a time at 1k-8k with groups of 16 / 8 /
     4 / 2, while groups that did not divide the heads or overfilled a wave gained nothing (4k: 4 heads
     333 us, 5 or 6 heads 372-377 us, 1 head 372 us; bench/results/explore_grid_sweep_run21.json).
-    Block-mapped loops read only the tiles listed for their row tile, so their working set stays small
-    with every head in one group (document mask at 4k: 168 us, 4 heads 194 us, 1 head 201 us).
+    Block-mapped loops read only the tiles listed for their row tile, so they keep every head in one
+    group while the whole launch is at most eight waves (document mask at 4k: 168 us, 4 heads
+    194 us, 1 head 201 us; at 16k, 32 waves, all heads were 3% slower than one:
+    bench/results/explore_grid_flex_run22.json).
     """
     setting = os.environ.get("NEPTUNE_FUSION_GRID_GROUP")
     if splits > 1:
@@ -276,7 +278,7 @@ def _grid_group(row_tiles: int, batch: int, splits: int, num_sms: int, block_map
         return max(1, int(setting))
     if device.type != "cuda":
         return 1
-    if block_mapped:
+    if block_mapped and batch * row_tiles <= 8 * num_sms:
         return batch
     fit = max(1, min(batch, num_sms // max(1, row_tiles)))
     return max(d for d in range(1, fit + 1) if batch % d == 0)
