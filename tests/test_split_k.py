@@ -213,3 +213,36 @@ def test_combine_tile_sizes():
     assert _combine_tiles(Plan(16, 64, 4, 2, 4), 16, {"e": 64}, False) == (16, 4, 1)
     # in the main kernel: the main kernel's rows, looping (pipelined) over the splits
     assert _combine_tiles(Plan(16, 64, 4, 2, 64), 8, {"e": 128}, True) == (16, 4, 3)
+
+
+@pytest.mark.parametrize("pdl", ["1", "0"])
+def test_separate_combine_uses_programmatic_dependent_launch_on_hopper(monkeypatch, pdl):
+    """For a GPU target the main kernel lets the combine launch early, and the combine waits for the
+    main kernel's writes before its first instruction; never under the interpreter or when switched off."""
+    from neptune_fusion.runtime import compiled
+
+    monkeypatch.setenv("NEPTUNE_FUSION_PDL", pdl)
+    monkeypatch.setenv("NEPTUNE_FUSION_FUSED_COMBINE", "0")
+    q, k, v, slopes = _inputs(4, 2, 1, 4096, 64, torch.float16)
+    fn = nf.compile(decode_program(), schedule=nf.split_k(splits=8))
+    named = dict(fn.program_def.bind(q, k, v, slopes, 0.2))
+    program = fn.program_def.trace(**named)
+    interpreted = fn.executable_for(program, named)
+    assert "gdc_" not in interpreted.main.source + interpreted.combine.source
+    # the CUDA target, compiled on this machine without loading the kernels
+    monkeypatch.setattr(compiled, "interpreter_mode", lambda: False)
+    monkeypatch.setattr(compiled, "_check_tensors", lambda p, a, i: torch.device("cuda"))
+    monkeypatch.setattr(compiled, "_load_kernel", lambda source, name: None)
+    monkeypatch.setattr(compiled, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(compiled, "_tma_buffers", lambda *args: frozenset())
+    monkeypatch.setattr(compiled, "_supports_dependent_launch", lambda device: True)
+    exe = nf.compile(decode_program(), schedule=nf.split_k(splits=8)).executable_for(program, named)
+    main_body = exe.main.source.split(f"def {exe.main.tile.name}(")[1]
+    combine_body = exe.combine.source.split(f"def {exe.combine.tile.name}(")[1]
+    if pdl == "1":
+        assert "tl.extra.cuda.gdc_launch_dependents()" in main_body
+        first_statement = next(line.strip() for line in combine_body.split("):", 1)[1].splitlines()
+                               if line.strip() and not line.strip().startswith("#"))
+        assert first_statement == "tl.extra.cuda.gdc_wait()"
+    else:
+        assert "gdc_" not in exe.main.source + exe.combine.source

@@ -204,8 +204,18 @@ class _Printer:
         out.extend(f"    {p}," for p in params)
         out.append("):")
         out.extend(f"    # {n}" for n in k.notes)
+        out.extend(self._grid_dependency())
         out.extend(self.lines)
         return "\n".join(out) + "\n"
+
+    def _grid_dependency(self) -> list[str]:
+        if self.kernel.grid_dependency == "none" or self.target != "cuda":
+            return []
+        if self.kernel.grid_dependency == "primary":
+            return ["    # the dependent kernel may launch now: it waits for this one's writes itself",
+                    "    tl.extra.cuda.gdc_launch_dependents()"]
+        return ["    # launched early (programmatic dependent launch): wait for the previous kernel's writes",
+                "    tl.extra.cuda.gdc_wait()"]
 
     def _all_lines(self) -> list[str]:
         if not self.lines:

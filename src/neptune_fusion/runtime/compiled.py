@@ -256,6 +256,11 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
+def _supports_dependent_launch(device: torch.device) -> bool:
+    """Programmatic dependent launch: CUDA on Hopper or newer (not the interpreter)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def _grid_group(row_tiles: int, batch: int, splits: int, num_sms: int, block_mapped: bool,
                 device: torch.device) -> int:
     """How many batch entries (heads) run their row tiles interleaved, heaviest first
@@ -343,11 +348,14 @@ class Compiled:
         combine_rows = min(16, 1 << max(0, (sizes[roles.row] - 1).bit_length()))
         # the next listed tile's index read an iteration early: 5-6% faster (document mask, run 16)
         prefetch_index = use_block_map and os.environ.get("NEPTUNE_FUSION_PREFETCH_INDEX", "1") == "1"
+        # the separate combine launches while the main kernel runs and waits for its writes itself
+        dependent_launch = (plan.splits > 1 and not fused_combine and _supports_dependent_launch(device)
+                            and os.environ.get("NEPTUNE_FUSION_PDL", "1") == "1")
         grid_group = _grid_group(math.ceil(sizes[roles.row] / plan.block_row), batch, plan.splits, _num_sms(device),
                                  use_block_map, device)
         key = (program.fingerprint(), tuple(sorted(dtypes.items())), tuple(sorted(full_sizes.items())), plan,
                layout, interpreter, str(device), tma, os.environ.get("NEPTUNE_FUSION_WS", "0"), positive,
-               fused_combine, combine_rows, prefetch_index, grid_group)
+               fused_combine, combine_rows, prefetch_index, grid_group, dependent_launch)
         if key in self._cache:
             return self._cache[key]
         steps = list(_fuse_cached(program, plan.splits))
@@ -385,6 +393,8 @@ class Compiled:
                                      block_epilogue=32 if interpreter else 128)
             ctile = lower(cfused, cconfig, f"{name}_combine")
             if not fused_combine:
+                if dependent_launch:
+                    ctile.grid_dependency = "dependent"
                 csource = generate(ctile, target)
                 combine = KernelLaunch(ctile, csource, _load_kernel(csource, ctile.name), cfused)
             else:
@@ -393,7 +403,10 @@ class Compiled:
             tile = lower(fused, config, name)
             if prefetch_index:
                 tile = prefetch_scalar_loads(tile)
-            return prefetch_first_dot(tile) if plan.prefetch_dot else tile
+            tile = prefetch_first_dot(tile) if plan.prefetch_dot else tile
+            if combine is not None and dependent_launch:
+                tile.grid_dependency = "primary"
+            return tile
 
         tile = lowered()
         while not interpreter and shared_memory_estimate(tile) > SHARED_MEMORY_BUDGET and (
@@ -528,7 +541,8 @@ class Compiled:
         env.update(tile.constexprs)
         env["cdiv"] = lambda a, b: -(-a // b)
         grid = tuple(int(eval(g, {"__builtins__": {}}, env)) for g in tile.grid)  # noqa: S307 - our own expressions
-        return launch.fn, grid, getters, dict(tile.constexprs), tile.num_warps, tile.num_stages, dynamic
+        return (launch.fn, grid, getters, dict(tile.constexprs), tile.num_warps, tile.num_stages, dynamic,
+                tile.grid_dependency == "dependent")
 
     def _scratch_for(self, loop: FusedLoop, sizes: dict[str, int], splits: int,
                      device: torch.device, counters: int) -> dict[str, torch.Tensor]:
@@ -555,8 +569,11 @@ class _FastLaunch:
     """
 
     def __init__(self, fn: Any, grid: tuple[int, ...], getters: list[Callable[..., Any]],
-                 constexprs: dict[str, int], warps: int, stages: int, dynamic: list[bool]) -> None:
+                 constexprs: dict[str, int], warps: int, stages: int, dynamic: list[bool],
+                 dependent_launch: bool = False) -> None:
         self.fn, self.getters, self.constexprs = fn, getters, constexprs
+        # compiled with launch_pdl: every launch then carries the programmatic-dependent attribute
+        self.options = {"launch_pdl": True} if dependent_launch else {}
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.warps, self.stages = warps, stages
         self.kernel: Any = None
@@ -568,7 +585,8 @@ class _FastLaunch:
             return
         if self.kernel is None:
             args = [g(values, outputs) for g in self.getters]
-            kernel = self.fn[self.grid](*args, **self.constexprs, num_warps=self.warps, num_stages=self.stages)
+            kernel = self.fn[self.grid](*args, **self.constexprs, num_warps=self.warps, num_stages=self.stages,
+                                        **self.options)
             if not interpreter_mode() and hasattr(kernel, "run") and hasattr(kernel, "packed_metadata"):
                 self.kernel = kernel
                 self.device = torch.cuda.current_device()  # the caller made the inputs' GPU current

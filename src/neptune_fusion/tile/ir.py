@@ -123,6 +123,9 @@ class TileKernel:
     num_stages: int
     constexprs: dict[str, int]
     notes: list[str] = field(default_factory=list)
+    # programmatic dependent launch between two kernels of one call: "primary" lets the next kernel
+    # launch while it runs, "dependent" waits for the previous kernel's writes before anything else
+    grid_dependency: str = "none"
 
 
 def format_tile_kernel(kernel: TileKernel) -> str:
