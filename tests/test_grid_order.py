@@ -48,7 +48,7 @@ def _rel(out, ref):
     return ((out.double() - ref).norm() / ref.norm()).item()
 
 
-@pytest.mark.parametrize("group", [1, 2, 3, 64])
+@pytest.mark.parametrize("group", [1, 2, 3, 64])  # 1: the one-axis grid in the plain order
 def test_grouped_order_keeps_causal_alibi_exact(monkeypatch, group):
     monkeypatch.setenv("NEPTUNE_FUSION_GRID_GROUP", str(group))
     clear_cache()
@@ -96,15 +96,20 @@ def test_group_is_the_largest_divisor_of_the_batch_that_fits_one_wave(monkeypatc
     monkeypatch.delenv("NEPTUNE_FUSION_GRID_GROUP", raising=False)
     cuda = torch.device("cuda")
 
-    def group(row_tiles: int, batch: int, splits: int = 1, block_mapped: bool = False) -> int:
+    def group(row_tiles: int, batch: int, splits: int = 1, block_mapped: bool = False) -> int | None:
         return compiled_module._grid_group(row_tiles, batch, splits, 132, block_mapped, cuda)
 
     assert group(32, 32) == 4  # 4 heads x 32 row tiles: one wave of 128 programs on 132 SMs
     assert group(8, 32) == 16
-    assert group(128, 32) == 1
+    assert group(128, 32) is None  # one head at a time: the plain two-axis grid
     assert group(32, 30) == 3  # 4 does not divide 30 heads
     assert group(8, 4) == 4  # never more than the batch
-    assert group(32, 32, splits=8) == 1  # split-K keeps the plain order
+    assert group(32, 32, splits=8) is None  # split-K keeps the plain order
     assert group(32, 32, block_mapped=True) == 32  # 1024 programs: at most eight waves
-    assert group(128, 32, block_mapped=True) == 1
-    assert compiled_module._grid_group(32, 32, 1, 132, False, torch.device("cpu")) == 1
+    assert group(128, 32, block_mapped=True) is None
+    assert compiled_module._grid_group(32, 32, 1, 132, False, torch.device("cpu")) is None
+    # more batch entries than a grid axis holds: the one-axis grid, one entry at a time
+    assert group(300, 70000) == 1
+    assert compiled_module._grid_group(300, 70000, 1, 132, False, torch.device("cpu")) == 1
+    with pytest.raises(ValueError, match="split_k runs at most 65535"):
+        group(1, 70000, splits=4)

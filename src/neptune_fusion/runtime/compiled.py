@@ -261,10 +261,14 @@ def _supports_dependent_launch(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
+MAX_GRID_AXIS = 65535  # CUDA's limit on grid axes 1 and 2
+
+
 def _grid_group(row_tiles: int, batch: int, splits: int, num_sms: int, block_mapped: bool,
-                device: torch.device) -> int:
-    """How many batch entries (heads) run their row tiles interleaved, heaviest first
-    (tile/lower.py `_grouped_program_ids`; NEPTUNE_FUSION_GRID_GROUP overrides).
+                device: torch.device) -> int | None:
+    """How many batch entries (heads) run their row tiles interleaved, heaviest first, on a one-axis
+    grid (tile/lower.py `_grouped_program_ids`; NEPTUNE_FUSION_GRID_GROUP overrides); None for the
+    plain (row tiles, batch) grid, which holds at most 65535 batch entries.
 
     The largest divisor of the batch whose group still fits one wave of programs: each wave then
     starts with the longest row tiles of its group and ends with the shortest. On the H200 causal
@@ -278,15 +282,20 @@ def _grid_group(row_tiles: int, batch: int, splits: int, num_sms: int, block_map
     """
     setting = os.environ.get("NEPTUNE_FUSION_GRID_GROUP")
     if splits > 1:
-        return 1  # the fused combine tail indexes row tiles and heads by the plain grid order
+        # the fused combine tail indexes row tiles and heads by the plain grid order
+        if batch > MAX_GRID_AXIS:
+            raise ValueError(f"split_k runs at most {MAX_GRID_AXIS} batch entries (batch x heads) at once, "
+                             f"got {batch}; use flash() or fewer sequences per call")
+        return None
     if setting:
         return max(1, int(setting))
-    if device.type != "cuda":
-        return 1
-    if block_mapped and batch * row_tiles <= 8 * num_sms:
-        return batch
-    fit = max(1, min(batch, num_sms // max(1, row_tiles)))
-    return max(d for d in range(1, fit + 1) if batch % d == 0)
+    group = 1
+    if device.type == "cuda" and block_mapped and batch * row_tiles <= 8 * num_sms:
+        group = batch
+    elif device.type == "cuda":
+        fit = max(1, min(batch, num_sms // max(1, row_tiles)))
+        group = max(d for d in range(1, fit + 1) if batch % d == 0)
+    return None if group == 1 and batch <= MAX_GRID_AXIS else group
 
 
 class Compiled:

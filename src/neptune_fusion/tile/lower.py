@@ -90,7 +90,9 @@ class LoweringConfig:
     warp_specialize: bool = False  # ask Triton to split the loop into producer / consumer warps
     positive_params: frozenset[str] = frozenset()  # float parameters whose value is > 0 (specialised on)
     fused_combine: TileKernel | None = None  # split-K: the last program of a row tile runs this combine
-    grid_group: int = 1  # programs walk row tiles (heaviest first) across this many batch entries at once
+    # one-axis grid whose programs walk row tiles (heaviest first) across this many batch entries at
+    # once; None: the (row tiles, batch) grid
+    grid_group: int | None = None
     notes: list[str] = field(default_factory=list)
 
 
@@ -589,7 +591,7 @@ class KernelBuilder:
         n_rows = self.size(roles.row)
         n_tiles = self.op("cdiv", (), "i32", (n_rows,), prefix="ntiles", block="BLOCK_R")
         batch = " * ".join(f"size_{a}" for a in roles.batch) or "1"
-        if cfg.grid_group > 1:
+        if cfg.grid_group is not None:
             pid_r, pid_b = self._grouped_program_ids(n_tiles, cfg.grid_group)
             grid = [f"cdiv(size_{roles.row}, BLOCK_R) * ({batch})", "1"]
         else:
@@ -632,6 +634,7 @@ class KernelBuilder:
         entries (heads) interleaved, heaviest row tile first across them: while a group's keys and
         values stay in L2, the programs that end the launch are the short ones."""
         self.constexprs["GROUP_B"] = group
+        self.config.notes.append(f"one-axis grid: the row tiles of {group} batch entries interleaved, heaviest first")
         group_size = TVal("GROUP_B", (), "i32")
         batch = self.const(1)
         for axis in self.roles.batch:
