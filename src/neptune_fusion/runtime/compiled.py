@@ -358,8 +358,8 @@ class Compiled:
         # the next listed tile's index read an iteration early: 5-6% faster (document mask, run 16)
         prefetch_index = use_block_map and os.environ.get("NEPTUNE_FUSION_PREFETCH_INDEX", "1") == "1"
         # the separate combine launches while the main kernel runs and waits for its writes itself
-        dependent_launch = (plan.splits > 1 and not fused_combine and _supports_dependent_launch(device)
-                            and os.environ.get("NEPTUNE_FUSION_PDL", "1") == "1")
+        dependent_launch = (plan.splits > 1 and not fused_combine and not interpreter
+                            and _supports_dependent_launch(device) and os.environ.get("NEPTUNE_FUSION_PDL", "1") == "1")
         grid_group = _grid_group(math.ceil(sizes[roles.row] / plan.block_row), batch, plan.splits, _num_sms(device),
                                  use_block_map, device)
         key = (program.fingerprint(), tuple(sorted(dtypes.items())), tuple(sorted(full_sizes.items())), plan,
