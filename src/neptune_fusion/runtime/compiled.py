@@ -273,8 +273,9 @@ def _grid_group(row_tiles: int, batch: int, splits: int, num_sms: int, block_map
     The largest divisor of the batch whose group still fits one wave of programs: each wave then
     starts with the longest row tiles of its group and ends with the shortest. On the H200 causal
     prefill (32 heads) ran 1.28x / 1.16x / 1.12x / 1.04x faster than one head at a time at 1k / 2k /
-    4k / 8k with groups of 16 / 8 / 4 / 2, while groups that did not divide the heads or overfilled a wave gained nothing (4k: 4 heads
-    333 us, 5 or 6 heads 372-377 us, 1 head 372 us; bench/results/explore_grid_sweep_run21.json).
+    4k / 8k with groups of 16 / 8 / 4 / 2, while groups that did not divide the heads or overfilled
+    a wave gained nothing (4k: 4 heads 333 us, 5 or 6 heads 372-377 us, 1 head 372 us;
+    bench/results/explore_grid_sweep_run21.json).
     Block-mapped loops read only the tiles listed for their row tile, so they keep every head in one
     group while the whole launch is at most eight waves (document mask at 4k: 168 us, 4 heads
     194 us, 1 head 201 us; at 16k, 32 waves, all heads were 3% slower than one:

@@ -631,8 +631,9 @@ class KernelBuilder:
 
     def _grouped_program_ids(self, n_tiles: TVal, group: int) -> tuple[TVal, TVal]:
         """(row program, batch entry) of a one-axis grid that runs the row tiles of `group` batch
-        entries (heads) interleaved, heaviest row tile first across them: while a group's keys and
-        values stay in L2, the programs that end the launch are the short ones."""
+        entries (heads) interleaved, heaviest row tile first across them, so each wave of programs
+        starts with its group's longest row tiles and ends with the shortest. `group` 1 is the plain
+        order on one axis (for batches larger than a second grid axis holds)."""
         self.constexprs["GROUP_B"] = group
         self.config.notes.append(f"one-axis grid: the row tiles of {group} batch entries interleaved, heaviest first")
         group_size = TVal("GROUP_B", (), "i32")
