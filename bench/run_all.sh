@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Every benchmark of DESIGN.md section 5 in one device call (about 8 minutes on the H200), each
+# Every benchmark of DESIGN.md section 5 in one device call (about 5 minutes on the H200), each
 # correct against fp32 and timed against its baselines in the same run. Results land in $OUT
 # (or bench/results): copy them into bench/results/ and commit them.
 #   device: bash bench/run_all.sh
+# (eight files come back from a device call: the read ceiling of the decode cases is its own call,
+#  python3 -m bench.read_ceiling)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src:$PWD" PYTHONUNBUFFERED=1
