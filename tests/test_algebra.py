@@ -9,7 +9,7 @@ import sympy as sp
 import torch
 
 from neptune_fusion.algebra import symbolic as S  # noqa: N812
-from neptune_fusion.algebra.repair import contribution_vanishes, derive_repair
+from neptune_fusion.algebra.repair import contribution_vanishes, derive_repair, polynomial_split, separable_split
 from neptune_fusion.ir.errors import FusionError
 from neptune_fusion.ir.expr import (
     Accumulator,
@@ -318,3 +318,51 @@ def _nodes(expr: Expr) -> list[Expr]:
     from neptune_fusion.ir.expr import walk
 
     return list(walk(expr))
+
+
+def test_softmax_entropy_map_splits_into_shifted_basis_sums():
+    """exp(c - m) * log(exp(c - m) / l) = c exp(c - m) - (m + log l) exp(c - m): each basis keeps
+    the shift exp(c - m), whose repair is multiplicative; the split is exact."""
+    e = exp(X_IJ - M)
+    g = e * Unary("log", e / L)
+    assert polynomial_split(g, ("l", "m")) is None
+    split = separable_split(g, "j", ("l", "m"))
+    assert split is not None and len(split.terms) == 2
+    for _, basis in split.terms:
+        derive_repair("basis", "sum", "j", _as_loads(basis), ("m",))  # each basis has a repair
+    # the recombination equals the map at random values (m, l as running values)
+    rng = torch.Generator().manual_seed(3)
+    x, m, lv = torch.randn(5, generator=rng).double(), 0.7, 2.5
+    env = {"x": x, "m": m, "l": lv}
+    recombined = sum(_evaluate(mono, env) * _evaluate(basis, env) for mono, basis in split.terms)
+    expected = torch.exp(x - m) * torch.log(torch.exp(x - m) / lv)
+    torch.testing.assert_close(recombined, expected)
+
+
+def test_separable_split_refuses_factors_no_rescaling_repairs():
+    g = exp(X_IJ - M) * Unary("log", X_IJ - M)
+    assert separable_split(g, "j", ("m",)) is None
+
+
+def _as_loads(expr: Expr) -> Expr:
+    from neptune_fusion.ir.expr import transform_bottom_up
+
+    return transform_bottom_up(expr, lambda n: ld(n.stage, "i") if isinstance(n, Running) else None)
+
+
+def _evaluate(expr: Expr, env: dict[str, object]) -> torch.Tensor:
+    def go(n: Expr):
+        if isinstance(n, Running):
+            return torch.tensor(env[n.stage], dtype=torch.float64)
+        if isinstance(n, Load):
+            return env[n.buffer] if n.buffer == "x" else torch.tensor(env[n.buffer], dtype=torch.float64)
+        if isinstance(n, Const):
+            return torch.tensor(float(n.value), dtype=torch.float64)
+        if isinstance(n, Unary):
+            return {"exp": torch.exp, "log": torch.log, "neg": torch.neg}[n.op](go(n.x))
+        if isinstance(n, Binary):
+            a, b = go(n.a), go(n.b)
+            return {"add": a + b, "sub": a - b, "mul": a * b, "div": a / b}[n.op]
+        raise TypeError(n)
+
+    return go(expr)

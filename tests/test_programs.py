@@ -67,6 +67,22 @@ def variance(x):
 
 
 @nf.program
+def softmax_entropy(x):
+    m = x.max(axis=-1, keepdims=True)
+    e = nf.exp(x - m)
+    p = e / e.sum(axis=-1, keepdims=True)
+    return -(p * nf.log(p)).sum(axis=-1)
+
+
+@nf.program
+def attention_with_entropy(q, k, v, scale):
+    s = nf.einsum("bhqd,bhkd->bhqk", q, k) * scale
+    e = nf.exp(s - s.max(axis=-1, keepdims=True))
+    p = e / e.sum(axis=-1, keepdims=True)
+    return nf.einsum("bhqk,bhkd->bhqd", p, v), -(p * nf.log(p)).sum(axis=-1)
+
+
+@nf.program
 def layernorm_matmul(x, w, eps):
     n = x.shape[-1]
     mean = x.sum(axis=-1, keepdims=True) / n
@@ -137,6 +153,38 @@ def test_temperature_softmax_with_exp2_and_bias():
     x, b = randn(5, 77), randn(77)
     expected = torch.softmax((x + b) / 0.7 * torch.log(torch.tensor(2.0)), -1)
     torch.testing.assert_close(nf.compile(temperature_softmax_exp2)(x, b, 0.7), expected)
+
+
+@pytest.mark.parametrize("schedule", [None, nf.split_k(splits=3)])
+def test_softmax_entropy_fuses_into_one_pass(schedule):
+    """-sum p log p needs the final max and normaliser inside its terms: it splits into basis sums
+    that keep the exp(x - max) shift (repaired by rescaling) and recombine after the loop."""
+    x = randn(9, 300) * 4
+    expected = -(torch.softmax(x.double(), -1) * torch.log_softmax(x.double(), -1)).sum(-1)
+    torch.testing.assert_close(nf.compile(softmax_entropy, schedule=schedule)(x).double(), expected,
+                               rtol=1e-5, atol=1e-5)
+    names = [s.name for s in fuse(softmax_entropy.trace(x))]
+    assert any("basis sums" in n for n in names)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_attention_with_the_entropy_of_its_weights(dtype):
+    q, k, v = (randn(1, 2, n, 16).to(dtype) for n in (40, 70, 70))
+    out, entropy = nf.compile(attention_with_entropy)(q, k, v, 0.3)
+    s = (q.double() @ k.double().mT) * 0.3
+    p = torch.softmax(s, -1)
+    tol = 1e-5 if dtype == torch.float32 else 3e-3
+    torch.testing.assert_close(out.double(), p @ v.double(), rtol=tol, atol=tol)
+    torch.testing.assert_close(entropy.double(), -(p * torch.log_softmax(s, -1)).sum(-1), rtol=tol, atol=tol)
+
+
+def test_basis_expansion_of_entropy_translation_validation():
+    x = randn(6, 50) * 3
+    prog = hoist_invariant_factors(inline_elementwise(softmax_entropy.trace(x)))
+    expanded = expand_polynomial_reductions(prog, "a1")
+    assert expanded is not prog
+    torch.testing.assert_close(nf.run_reference(expanded, {"x": x}), nf.run_reference(prog, {"x": x}),
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_polynomial_expansion_translation_validation():

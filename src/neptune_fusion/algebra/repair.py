@@ -198,3 +198,47 @@ def polynomial_split(g: Expr, producers: tuple[str, ...], max_degree: int = 4) -
         monomial = sp.Mul(*(r**k for r, k in zip(rs, powers)))
         terms.append((S.from_sympy(monomial, table), S.from_sympy(coeff, table)))
     return PolynomialSplit(tuple(terms))
+
+
+def separable_split(g: Expr, axis: str, producers: tuple[str, ...], max_terms: int = 6) -> PolynomialSplit | None:
+    """Split `g = sum_k m_k(r) * b_k(c, r)` into basis sums that a rolling update can carry.
+
+    Each monomial m_k depends on the running values r only; each basis map b_k depends on them only
+    through one factor whose ratio at r' and r is free of c, so `sum_j b_k` has a multiplicative
+    repair and keeps its shift (it stays finite where exp(c) alone would overflow). The sums are
+    recombined with the final r after the loop. This generalises the polynomial split: the entropy
+    of a softmax, `exp(c - M) * log(exp(c - M) / L)`, becomes
+    `sum_j c_j exp(c_j - M) - (M + log L) * sum_j exp(c_j - M)`. Every rewrite is an identity
+    (SymPy's expansion under its real assumptions). Returns None when no such split exists or it
+    would not change anything.
+
+    Example:
+        >>> from neptune_fusion.ir.expr import Index, Load, Unary
+        >>> c, m, l = Load("x", (Index("j"),)), Load("m", ()), Load("l", ())
+        >>> e = Unary("exp", c - m)
+        >>> len(separable_split(e * Unary("log", e / l), "j", ("l", "m")).terms)
+        2
+    """
+    try:
+        sym, table = S.to_sympy(g, set(producers))
+    except S.NotAlgebraic:
+        return None
+    rs = {table.old(p) for p in producers}
+    cs = {sym_ for e, sym_ in table.opaque.items() if _varies_along(e, axis)}
+    new_of = {table.old(p): table.new(p) for p in producers}
+    bases: dict[object, object] = {}  # basis map -> sum of its monomials
+    for term in S.expand_terms(sym):
+        mixed, monomial, coefficient = [], [], []
+        for factor in S.factors(term):
+            free = factor.free_symbols
+            numeric_or_running = factor.is_Number or (free & rs and not free & cs)
+            (mixed if free & rs and free & cs else monomial if numeric_or_running else coefficient).append(factor)
+        shift = S.product(mixed)
+        if mixed and (S.simplify(shift.subs(new_of) / shift).free_symbols & cs):
+            return None  # a factor mixing c and r that no rescaling repairs
+        basis = shift * S.product(coefficient)
+        bases[basis] = bases.get(basis, 0) + S.product(monomial)
+    if len(bases) > max_terms or (len(bases) == 1 and next(iter(bases.values())) == 1):
+        return None
+    return PolynomialSplit(tuple((S.from_sympy(S.simplify(m), table), S.from_sympy(b, table))
+                                 for b, m in bases.items()))

@@ -176,6 +176,22 @@ def is_zero(value: sp.Expr) -> bool:
     return bool(sp.simplify(sp.expand(value)) == 0)
 
 
+def expand_terms(value: sp.Expr) -> tuple[sp.Expr, ...]:
+    """The terms of `value` with products distributed and logs of products split where that is an
+    identity (SymPy's own assumptions: log(exp(a) * b) = a + log(b) for real a); exp(a + b) stays one
+    factor (its argument keeps a shift)."""
+    return sp.Add.make_args(sp.expand(value, power_exp=False, power_base=False))
+
+
+def factors(value: sp.Expr) -> tuple[sp.Expr, ...]:
+    """The factors of a product."""
+    return sp.Mul.make_args(value)
+
+
+def product(items: list[sp.Expr]) -> sp.Expr:
+    return sp.Mul(*items)
+
+
 def is_nonnegative(value: sp.Expr) -> bool:
     """Whether SymPy can prove `value >= 0` (real symbols)."""
     return bool(value.is_nonnegative)

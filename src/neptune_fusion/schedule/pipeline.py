@@ -59,7 +59,7 @@ def fuse(program: Program, splits: int = 1) -> list[Step]:
     expanded = expand_polynomial_reductions(p, axis)
     if expanded is not p:
         p = expanded
-        steps.append(Step("expand sums polynomial in running values into basis sums (Welford-style)", p))
+        steps.append(Step("expand sums that need final running values into basis sums (Welford-style)", p))
     p = rolling_update(p, axis)
     steps.append(Step(f"rolling update along {axis!r} (derived repair terms)", p))
     if splits > 1:

@@ -1,10 +1,12 @@
-"""Polynomial expansion of reductions (Program -> Program): Welford-style basis accumulators.
+"""Basis expansion of reductions (Program -> Program): Welford-style basis accumulators.
 
 A sum whose map is a polynomial in earlier reductions along the same axis has no repair
 of the `+`/`*` form (`(x - mean)^2`), but it expands into basis sums that do not depend on
 them at all: `sum_j (x_j - m)^2 = sum_j x_j^2 - 2 m sum_j x_j + m^2 sum_j 1`. The basis
 sums join the fused loop; the combination with the final `m` happens after it. This makes
 variance, LayerNorm statistics and LayerNorm-then-matmul chains fusable in one pass.
+More generally a basis sum may keep a factor with a multiplicative repair (`exp(c - m)`), so
+the entropy of a softmax, `sum_j p_j log p_j`, fuses too (algebra/repair.py `separable_split`).
 
 Example:
     >>> # expand_polynomial_reductions(program, "j") rewrites var = sum_j (x - mean)^2
@@ -12,7 +14,7 @@ Example:
 
 from __future__ import annotations
 
-from neptune_fusion.algebra.repair import derive_repair, polynomial_split
+from neptune_fusion.algebra.repair import derive_repair, polynomial_split, separable_split
 from neptune_fusion.ir.errors import FusionError
 from neptune_fusion.ir.expr import Binary, Expr, Index, Load, Reduce, Running, simplify, transform_bottom_up
 from neptune_fusion.ir.program import Node, Program, Stage
@@ -36,13 +38,15 @@ def expand_polynomial_reductions(program: Program, axis: str) -> Program:
             continue
         split = polynomial_split(body.body, producers)
         if split is None:
+            split = separable_split(body.body, axis, producers)
+        if split is None:
             stages.append(node)
             continue
         changed = True
         combined: Expr | None = None
         for k, (monomial, coefficient) in enumerate(split.terms):
             basis = f"{node.name}_p{k}"
-            stages.append(Stage(basis, node.axes, Reduce("sum", axis, coefficient)))
+            stages.append(Stage(basis, node.axes, Reduce("sum", axis, _running_as_loads(coefficient, members))))
             term = Binary("mul", _running_as_loads(monomial, members), Load(basis, tuple(Index(a) for a in node.axes)))
             combined = term if combined is None else Binary("add", combined, term)
         assert combined is not None
