@@ -70,7 +70,7 @@ def check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, expected: tuple[tor
           **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the kernel, the reference executor and compare both with `expected` (out, lse)."""
     out, lse = nf.attention(q, k, v, return_lse=True, **kwargs)
-    kwargs.pop("schedule", None)
+    schedule = kwargs.pop("schedule", None)
     assert out.dtype == q.dtype and out.shape == (*q.shape[:3], v.shape[-1])
     assert lse.dtype == torch.float32 and lse.shape == q.shape[:3]
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
@@ -84,7 +84,7 @@ def check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, expected: tuple[tor
     torch.testing.assert_close(ref_lse.double(), exp_lse, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(lse.double(), exp_lse, atol=ltol, rtol=ltol)
     # without return_lse: the same output
-    out_only = nf.attention(q, k, v, **kwargs)
+    out_only = nf.attention(q, k, v, schedule=schedule, **kwargs)
     torch.testing.assert_close(out_only, out, atol=0, rtol=0)
     return out, lse
 
@@ -339,6 +339,41 @@ def test_decode_split_k_with_gqa_and_alibi():
     expected = expected_attention(q, k, v, bias=slopes[:, None, None] * (j - 127))
     for schedule in (None, nf.split_k(4)):
         check(q, k, v, expected, score_mod=alibi, enable_gqa=True, schedule=schedule)
+
+
+@pytest.mark.parametrize("fused", ["0", "1"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_split_k_over_a_block_map(monkeypatch, fused, dtype):
+    """Data-dependent masks in decode: each split visits its share of the tiles the block map lists
+    (with the combine in its own launch or in the main kernel); a sequence of length 0 gives 0 and an
+    lse of -inf."""
+    monkeypatch.setenv("NEPTUNE_FUSION_FUSED_COMBINE", fused)
+    attention_module.clear_cache()
+    lengths = torch.tensor([150, 0, 300])
+
+    def by_length(b, h, q_idx, kv_idx):
+        return kv_idx < lengths[b]
+
+    q, k, v = make_qkv(3, 4, 1, 300, 16, dtype, hkv=2)
+    mask = (torch.arange(300)[None, :] < lengths[:, None])[:, None, None, :]
+    for schedule in (nf.split_k(3), nf.split_k(5, block_k=16)):
+        check(q, k, v, expected_attention(q, k, v, mask=mask), mask_mod=by_length, enable_gqa=True,
+              schedule=schedule)
+
+
+def test_decode_with_a_data_dependent_mask_chooses_split_k():
+    """Few programs and a long key axis: the automatic plan splits it even when a block map lists the tiles."""
+    doc = torch.tensor([0] * 100 + [1] * 200 + [2] * 100)
+
+    def same_doc_as_last(b, h, q_idx, kv_idx):
+        return doc[kv_idx] == doc[q_idx + 399]
+
+    q, k, v = make_qkv(1, 1, 1, 400, 16, torch.float32)
+    check(q, k, v, expected_attention(q, k, v, mask=(doc == 2)[None, None, None, :]), mask_mod=same_doc_as_last)
+    compiled = next(iter(attention_module._compiled.values()))
+    named = dict(nf.attention_inputs(q, k, v, mask_mod=same_doc_as_last))
+    exe = compiled.executable_for(nf.attention_program(q, k, v, mask_mod=same_doc_as_last), named)
+    assert exe.plan.splits > 1 and exe.masks is not None
 
 
 def test_head_dim_of_value_differs():

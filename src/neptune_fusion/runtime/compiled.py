@@ -340,8 +340,6 @@ class Compiled:
             plan = choose(self.schedule, rows=sizes[roles.row], cols=sizes[roles.col], batch=batch,
                           full_sizes=full_sizes, dtype=main_dtype, num_sms=_num_sms(device), interpreter=interpreter,
                           block_mapped=use_block_map)
-        elif plan.splits > 1 and use_block_map:
-            plan = Plan(plan.block_row, plan.block_col, plan.num_warps, plan.num_stages, 1, plan.prefetch_dot)
         _check_offsets(fused, roles, args)
         tma = _tma_buffers(program, args, device, interpreter)
         if use_block_map and os.environ.get("NEPTUNE_FUSION_BLOCKMAP_TMA", "0") != "1":

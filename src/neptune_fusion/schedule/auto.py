@@ -39,9 +39,9 @@ def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: 
            num_sms: int, interpreter: bool, block_mapped: bool = False) -> Plan:
     """Resolve `schedule` for these sizes (rows: tiled axis, cols: reduced axis, batch: programs per row tile).
 
-    `block_mapped`: tiles are visited from a run-time block map, which lists tiles of whole rows
-    (so no split-K) and gains from narrower key tiles (document mask at 4k/16k on the H200: 128x64
-    200 / 2159 us, 128x128 223 / 2223 us; bench/results/explore_document_run16.json).
+    `block_mapped`: tiles are visited from a run-time block map (under split-K each split takes a
+    share of each row tile's list), which gains from narrower key tiles (document mask at 4k/16k on
+    the H200: 128x64 200 / 2159 us, 128x128 223 / 2223 us; bench/results/explore_document_run16.json).
     """
     if isinstance(schedule, Autotune):
         schedule = schedule.base
@@ -62,11 +62,8 @@ def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: 
     splits = 1
     prefetch = False
     if isinstance(schedule, SplitK):
-        if block_mapped:
-            raise ValueError("split_k cannot be combined with a data-dependent mask (its block map lists "
-                             "tiles of whole rows); use flash()")
         splits = schedule.splits or 0
-    elif isinstance(schedule, Auto) and not block_mapped:
+    elif isinstance(schedule, Auto):
         programs = math.ceil(rows / block_row) * batch
         splits = 0 if programs < num_sms and cols >= 4 * block_col else 1
     if splits != 1:

@@ -670,7 +670,7 @@ class KernelBuilder:
         boxes = self.masks.boxes()
         bounds = [self._box_bounds(box, r0, r1, n, ctx) for box in boxes]
         if self.config.splits > 1:
-            pid_s = self.op("program_id", (), "i32", prefix="pid", dim=2)
+            pid_s = self._split_id()
             per = self.op("cdiv", (), "i32", (n,), prefix="per", block="SPLITS")
             chunk = self.bin("mul", self.op("cdiv", (), "i32", (per,), prefix="chunk", block="BLOCK_C"), bc)
             c_lo = self.bin("mul", pid_s, chunk)
@@ -790,13 +790,20 @@ class KernelBuilder:
 
     def _emit_block_map_loops(self, row_tile: TVal, state: dict[str, TVal], valid: dict[str, TVal | None]) -> None:
         """Visit the tiles a run-time block map lists for this row tile: fully visible ones with no
-        mask arithmetic, partly visible ones with it; empty tiles are never visited."""
+        mask arithmetic, partly visible ones with it; empty tiles are never visited. Under split-K
+        each split visits its own contiguous share of each list."""
         axes = self.config.block_map_axes or ()
         self.bindings[BLOCK_MAP_ROW] = row_tile
         batch_index = tuple(Index(a) for a in axes)
         ctx = _Ctx({}, {}, {}, {}, False)
         for kind, masked in (("full", False), ("partial", True)):
             count = self.emit(Load(f"{BLOCK_MAP_PREFIX}{kind}_count", (*batch_index, Index(BLOCK_MAP_ROW))), ctx)
+            first = self.const(0)
+            if self.config.splits > 1:
+                split = self._split_id()
+                share = self.op("cdiv", (), "i32", (count,), prefix="share", block="SPLITS")
+                first = self.bin("min", self.bin("mul", split, share), count)
+                count = self.bin("min", self.bin("add", first, share), count)
             var = TVal(self.fresh("t_"), (), "i32")
             self.bindings[BLOCK_MAP_TILE] = var
 
@@ -806,7 +813,7 @@ class KernelBuilder:
                 tile = self.emit(idx, _Ctx({}, {}, {}, {}, True))
                 return self.bin("mul", tile, TVal("BLOCK_C", (), "i32"))
 
-            self._emit_loop(self.const(0), count, masked, state, valid,
+            self._emit_loop(first, count, masked, state, valid,
                             f"{kind} tiles listed by the block map", var=var, start_of=start_of, exact=True, step="1")
             del self.bindings[BLOCK_MAP_TILE]
 
@@ -935,11 +942,17 @@ class KernelBuilder:
         self.body.append(Loop(var, self.const(0), self.size(axis), block, body,
                               f"second pass over {axis}: outputs indexed by it"))
 
+    def _split_id(self) -> TVal:
+        """This program's split (grid axis 2), read once per kernel."""
+        if "__split__" not in self.bindings:
+            self.bindings["__split__"] = self.op("program_id", (), "i32", scope=self.scopes[0], prefix="pid", dim=2)
+        return self.bindings["__split__"]
+
     def _store(self, buffer: str, axes: tuple[str, ...], value: TVal, valid: dict[str, TVal | None],
                scratch: bool = False, variant: bool = False) -> None:
         index: list[Expr] = [Index(a) for a in axes]
         if scratch:
-            self.bindings.setdefault("__split__", self.op("program_id", (), "i32", scope=self.scopes[0], prefix="pid", dim=2))
+            self._split_id()
             index.insert(0, Index("__split__"))
         scalar, tile, mask_axes = self.address(buffer, tuple(index))
         ctx = _Ctx({}, {}, valid, {}, variant)
