@@ -199,8 +199,19 @@ def test_variance_like_polynomial_map_is_refused():
         derive_repair("var", "sum", "j", d * d, ("m",))
 
 
-def test_where_on_running_value_is_refused_with_a_reason():
+def test_where_with_a_fixed_condition_and_zero_repairs_like_its_branch():
+    """where(cond, exp(x - m), 0) = [cond] * exp(x - m): the indicator is one more per-term input."""
     g = Where(Binary("gt", X_IJ, Const(0.0)), exp(X_IJ - M), Const(0.0))
+    assert format_expr(derive_repair("l", "sum", "j", g, ("m",)).h) == "t * exp(m.old - m.new)"
+    flipped = Where(Binary("gt", X_IJ, Const(0.0)), Const(0.0), exp(X_IJ - M))
+    assert format_expr(derive_repair("l", "sum", "j", flipped, ("m",)).h) == "t * exp(m.old - m.new)"
+
+
+@pytest.mark.parametrize("g", [
+    Where(Binary("gt", X_IJ, M), exp(X_IJ - M), Const(0.0)),  # the condition reads the running max
+    Where(Binary("gt", X_IJ, Const(0.0)), exp(X_IJ - M), Const(1.0)),  # the other branch is not 0
+])
+def test_where_on_running_value_is_refused_with_a_reason(g):
     with pytest.raises(FusionError, match="where"):
         derive_repair("l", "sum", "j", g, ("m",))
 

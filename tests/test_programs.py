@@ -83,6 +83,16 @@ def attention_with_entropy(q, k, v, scale):
 
 
 @nf.program
+def causal_attention_zero_where(q, k, v, scale):
+    """Masked attention written with the mask on the weights (0) instead of on the scores (-inf)."""
+    s = nf.einsum("bhqd,bhkd->bhqk", q, k) * scale
+    visible = nf.index(s, -2) >= nf.index(s, -1)
+    m = nf.where(visible, s, float("-inf")).max(axis=-1, keepdims=True)
+    e = nf.where(visible, nf.exp(s - m), 0.0)
+    return nf.einsum("bhqk,bhkd->bhqd", e, v) / e.sum(axis=-1, keepdims=True)
+
+
+@nf.program
 def layernorm_matmul(x, w, eps):
     n = x.shape[-1]
     mean = x.sum(axis=-1, keepdims=True) / n
@@ -176,6 +186,14 @@ def test_attention_with_the_entropy_of_its_weights(dtype):
     tol = 1e-5 if dtype == torch.float32 else 3e-3
     torch.testing.assert_close(out.double(), p @ v.double(), rtol=tol, atol=tol)
     torch.testing.assert_close(entropy.double(), -(p * torch.log_softmax(s, -1)).sum(-1), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("schedule", [None, nf.flash(block_q=16, block_k=16), nf.split_k(splits=3)])
+def test_mask_on_the_weights_fuses(schedule):
+    q, k, v = (randn(1, 2, 70, 16) for _ in range(3))
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.25)
+    out = nf.compile(causal_attention_zero_where, schedule=schedule)(q, k, v, 0.25)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_basis_expansion_of_entropy_translation_validation():

@@ -92,8 +92,19 @@ def to_sympy(expr: Expr, running: set[str], table: SymbolTable | None = None) ->
         if isinstance(node, Binary) and node.op in _BINARY:
             return _BINARY[node.op](go(node.a), go(node.b))
         if isinstance(node, Where):
-            raise NotAlgebraic("a where() whose branches depend on a running value")
+            return indicator_times(node)
         raise NotAlgebraic(f"operation {getattr(node, 'op', type(node).__name__)!r} on a running value")
+
+    def indicator_times(node: Where) -> sp.Expr:
+        # where(cond, a, 0) with a condition free of running values is [cond] * a: the indicator
+        # [cond] is one more per-term input, so a repair of a (t * exp(r - r')) repairs it too
+        depends = bool(loads_of(node.cond) & running) or any(
+            isinstance(n, (Accumulator, Running)) for n in walk(node.cond))
+        for kept, other, flag in ((node.a, node.b, (1.0, 0.0)), (node.b, node.a, (0.0, 1.0))):
+            if not depends and isinstance(other, Const) and other.value == 0:
+                return table.constant(Where(node.cond, Const(flag[0]), Const(flag[1]))) * go(kept)
+        raise NotAlgebraic("a where() whose branches depend on a running value (other than where(cond, x, 0) "
+                           "with a condition free of running values)")
 
     return go(expr), table
 
