@@ -257,6 +257,14 @@ def test_contribution_does_not_vanish():
     assert not contribution_vanishes(exp(S_IJ - M), MASKED, -math.inf, 0.0, ("m",))
 
 
+def test_contribution_vanishes_for_finite_masked_values():
+    """A mask on the weights (where(cond, p, 0)) is substituted by its own value, not by infinity."""
+    weights = Where(Binary("ge", Index("i"), Index("j")), exp(S_IJ - M), Const(0.0))
+    assert contribution_vanishes(weights * V_JE, weights, 0.0, 0.0, ("m",))
+    assert not contribution_vanishes(exp(-weights), weights, 0.0, 0.0, ("m",))  # exp(-0) = 1
+    assert not contribution_vanishes(weights + Const(2.0), weights, 0.0, 0.0, ("m",))
+
+
 # --------------------------------------------------------------------------- SymPy bridge
 
 

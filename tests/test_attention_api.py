@@ -376,6 +376,21 @@ def test_decode_with_a_data_dependent_mask_chooses_split_k():
     assert exe.plan.splits > 1 and exe.masks is not None
 
 
+@pytest.mark.parametrize("penalty", [-5.0, 3.0, 0.0])
+def test_soft_penalty_written_with_where_is_not_a_mask(penalty):
+    """score + where(cond, 0, c) with a finite c moves scores; no tile may be skipped for it
+    (a regression: the masked value used to be taken as -inf)."""
+
+    def soft(score, b, h, q_idx, kv_idx):
+        return score + torch.where(q_idx >= kv_idx, 0.0, penalty)
+
+    q, k, v = make_qkv(1, 2, 100, 100, 16, torch.float32)
+    i, j = positions(100, 100)
+    bias = torch.where(i >= j, 0.0, penalty).double()
+    for schedule in (None, nf.flash(block_q=16, block_k=16)):
+        check(q, k, v, expected_attention(q, k, v, bias=bias), score_mod=soft, schedule=schedule)
+
+
 def test_head_dim_of_value_differs():
     gen = torch.Generator().manual_seed(9)
     q, k = torch.randn(1, 2, 32, 16, generator=gen), torch.randn(1, 2, 40, 16, generator=gen)

@@ -37,7 +37,17 @@ def sink_window_attention(q, k, v, scale):
     return nf.einsum("bhqk,bhkd->bhqd", p, v) / p.sum(axis=-1, keepdims=True)
 
 
-@pytest.mark.parametrize("program", [window_attention, sink_window_attention])
+@nf.program
+def window_attention_on_weights(q, k, v, scale):
+    """The same window, written on the scores (-inf) for the max and on the weights (0) for the sums."""
+    s = nf.einsum("bhqd,bhkd->bhqk", q, k) * scale
+    i, j = nf.index(s, -2), nf.index(s, -1)
+    visible = (i >= j) & (i - j < WINDOW)
+    p = nf.where(visible, nf.exp(s - nf.where(visible, s, -nf.inf).max(axis=-1, keepdims=True)), 0.0)
+    return nf.einsum("bhqk,bhkd->bhqd", p, v) / p.sum(axis=-1, keepdims=True)
+
+
+@pytest.mark.parametrize("program", [window_attention, sink_window_attention, window_attention_on_weights])
 def test_masked_kernels_visit_exactly_the_tiles_they_need(program):
     q, k, v = (torch.randn(1, 2, N, 16) for _ in range(3))
     fn = nf.compile(program, schedule=nf.flash(block_q=BQ, block_k=BK))

@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 from neptune_fusion.algebra import symbolic as S
@@ -131,8 +132,9 @@ def contribution_vanishes(g: Expr, masked: Expr, value: float, identity: float, 
     except S.NotAlgebraic:
         return False
     inf = -S.NEG_INF
+    target = (-inf if value < 0 else inf) if math.isinf(value) else S.number(value)
     try:
-        at = S.simplify(sym.subs(table.old(marker), -inf if value < 0 else inf))
+        at = S.simplify(sym.subs(table.old(marker), target))
     except Exception:  # noqa: BLE001 - sympy raises many types on undefined forms
         return False
     if identity == 0:

@@ -214,6 +214,11 @@ def derivative(value: sp.Expr, symbol: sp.Symbol) -> sp.Expr:
 
 
 
+def number(value: float) -> sp.Expr:
+    """A finite number as SymPy sees it (exact for integers)."""
+    return sp.Integer(int(value)) if float(value).is_integer() else sp.Float(value)
+
+
 def symbol(name: str) -> sp.Symbol:
     """A real SymPy symbol."""
     return sp.Symbol(name, real=True)

@@ -27,6 +27,7 @@ from neptune_fusion.ir.expr import (
     Where,
     free_axes,
     loads_of,
+    transform_bottom_up,
     walk,
 )
 from neptune_fusion.ir.program import FusedLoop
@@ -54,12 +55,24 @@ class MaskedWhere:
     constraints: tuple[Constraint, ...]
     union: tuple[tuple[Constraint, ...], ...]
     residual: Expr | None
+    # further where-nodes with the same condition (the mask written on the scores with -inf for the
+    # max and on the weights with 0 for the sums): (node, its visible branch)
+    others: tuple[tuple[Where, Expr], ...] = ()
 
     def unmasked(self) -> Expr:
         """What the where-node becomes in a tile where the affine part of cond holds everywhere."""
+        return self._unmasked(self.node, self.visible)
+
+    def _unmasked(self, node: Where, visible: Expr) -> Expr:
         if self.residual is None:
-            return self.visible
-        return Where(self.residual, self.visible, self.node.b if self.visible is self.node.a else self.node.a)
+            return visible
+        return Where(self.residual, visible, node.b if visible is node.a else node.a)
+
+    def replacements(self, exact: bool) -> dict[Expr, Expr]:
+        """Every where-node of this mask -> what it becomes in a tile where the mask holds
+        everywhere (`exact`: the whole condition, residual included, is known to hold)."""
+        return {node: (visible if exact else self._unmasked(node, visible))
+                for node, visible in ((self.node, self.visible), *self.others)}
 
     def boxes(self) -> list[tuple[Constraint, ...]]:
         """The visible region as a union of boxes, each a conjunction of affine constraints."""
@@ -202,26 +215,33 @@ def analyze_masks(loop: FusedLoop, row: str, int_params: set[str] | None, vanish
     for _, g in bodies:
         for node in walk(g):
             if (isinstance(node, Where) and col in free_axes(node.cond) and node not in candidates
-                    and any(isinstance(x, Const) and isinstance(x.value, float) for x in (node.a, node.b))):
+                    and any(_is_number(x) for x in (node.a, node.b))):
                 candidates.append(node)
-    masks: list[MaskedWhere] = []
+    # where-nodes that show the same condition (the mask on the scores for the max, on the weights
+    # for the sums) form one mask: where it is false, every member must add its identity
+    groups: dict[Expr, list[tuple[Where, Expr]]] = {}
     for w in candidates:
+        cond, visible = (w.cond, w.a) if _masked_in_b(w) else (Unary("not", w.cond), w.b)
+        groups.setdefault(cond, []).append((w, visible))
+    masks: list[MaskedWhere] = []
+    for cond, nodes in groups.items():
         ok = True
         for m, g in bodies:
-            if w not in set(walk(g)):
+            present = [w for w, _ in nodes if w in set(walk(g))]
+            if not present:
                 ok = False
                 break
             producers = loop.producers.get(m.name, ())
-            masked_value = w.b if isinstance(w.b, Const) else w.a
-            if not vanishes(g, w, float(masked_value.value), REDUCER_IDENTITY[m.body.op], producers):  # type: ignore[attr-defined]
+            # all but one of the nodes take their masked value here; the algebra proves the last
+            others = {w: _masked_value(w) for w in present[1:]}
+            g = transform_bottom_up(g, lambda n, o=others: o.get(n))
+            last = present[0]
+            if not vanishes(g, last, float(_masked_value(last).value), REDUCER_IDENTITY[m.body.op], producers):  # type: ignore[attr-defined]
                 ok = False
                 break
         if not ok:
             continue
-        if isinstance(w.b, Const) and isinstance(w.b.value, float):
-            cond, visible = w.cond, w.a
-        else:
-            cond, visible = Unary("not", w.cond), w.b
+        (w, visible), others = nodes[0], tuple(nodes[1:])
         cond = _push_not(cond)
         constraints: list[Constraint] = []
         union: tuple[tuple[Constraint, ...], ...] = ()
@@ -239,8 +259,23 @@ def analyze_masks(loop: FusedLoop, row: str, int_params: set[str] | None, vanish
         rest: Expr | None = None
         for r in residual:
             rest = r if rest is None else Binary("and", rest, r)
-        masks.append(MaskedWhere(w, visible, tuple(constraints), union, rest))
+        masks.append(MaskedWhere(w, visible, tuple(constraints), union, rest, others))
     return MaskInfo(tuple(masks))
+
+
+def _is_number(x: Expr) -> bool:
+    return isinstance(x, Const) and isinstance(x.value, (int, float)) and not isinstance(x.value, bool)
+
+
+def _masked_in_b(w: Where) -> bool:
+    """where(cond, x, number): the element is masked where cond is false."""
+    return _is_number(w.b)
+
+
+def _masked_value(w: Where) -> Const:
+    value = w.b if _masked_in_b(w) else w.a
+    assert isinstance(value, Const)
+    return value
 
 
 def _union_of(cond: Expr, row: str, col: str, int_params: set[str]) -> tuple[tuple[Constraint, ...], ...] | None:

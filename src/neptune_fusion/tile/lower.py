@@ -836,7 +836,7 @@ class KernelBuilder:
             inner_valid[roles.col] = self.bin("lt", self.bindings[roles.col], self.size(roles.col))
         else:
             inner_valid[roles.col] = None
-            replace = {m.node: (m.visible if exact else m.unmasked()) for m in self.masks.masks}
+            replace = {node: value for m in self.masks.masks for node, value in m.replacements(exact).items()}
         ctx = _Ctx({}, {}, inner_valid, replace, True)
         new_state: dict[str, TVal] = {}
         for m in self.loop.members:
