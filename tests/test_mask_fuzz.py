@@ -138,7 +138,8 @@ def test_random_score_mods_shapes_and_groups(seed, monkeypatch):
     slopes = torch.rand(hq, generator=g)
     table = torch.randn(lq + lk, generator=g)
     cap = rng.choice([5.0, 20.0])
-    kind = rng.choice(["alibi", "softcap", "table", "alibi_softcap", "none"])
+    kind = rng.choice(["alibi", "softcap", "table", "alibi_softcap", "none", "soft_penalty", "where_scale"])
+    penalty = rng.choice([-4.0, 0.0, 2.0, -1e4])  # finite: moves scores, never a mask
 
     def score_mod(s, b, h, qi, ki):
         if kind in ("alibi", "alibi_softcap"):
@@ -147,6 +148,10 @@ def test_random_score_mods_shapes_and_groups(seed, monkeypatch):
             s = cap * torch.tanh(s / cap)
         if kind == "table":
             s = s + table[qi - ki + lk]
+        if kind == "soft_penalty":
+            s = s + torch.where(qi >= ki, 0.0, penalty)
+        if kind == "where_scale":
+            s = torch.where((ki - qi) % 3 == 0, s, s * 0.5)
         return s
 
     mask, _ = _random_mask(rng) if rng.random() < 0.5 else (None, "")
