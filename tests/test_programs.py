@@ -196,6 +196,40 @@ def test_mask_on_the_weights_fuses(schedule):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+@nf.program
+def max_of_scaled_exp(x):
+    m = (x * x).min(axis=-1, keepdims=True)
+    return nf.exp((x - m) * 2.0).max(axis=-1)
+
+
+@nf.program
+def max_after_a_large_sum(x):
+    m = (x * x).sum(axis=-1, keepdims=True)
+    return nf.exp(x - m).max(axis=-1)
+
+
+@pytest.mark.parametrize("schedule", [None, nf.split_k(splits=3)])
+def test_running_values_under_a_constant_factor_stay_in_the_loop(schedule):
+    """exp((x - m) * 2): the factor 2 is loop-invariant, the running m is not (a regression: its
+    repair was hoisted out of the loop)."""
+    x = randn(5, 100)
+    m = (x.double() ** 2).amin(-1, keepdim=True)
+    expected = torch.exp((x.double() - m) * 2).amax(-1)
+    torch.testing.assert_close(nf.compile(max_of_scaled_exp, schedule=schedule)(x).double(), expected,
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("schedule", [None, nf.split_k(splits=3)])
+def test_a_max_that_has_seen_nothing_is_not_rescaled_into_nan(schedule):
+    """The max starts at -inf; rescaling it by exp(0 - sum) underflows to 0 and -inf * 0 is NaN (a
+    regression). Here the sum reaches ~130, so every factor underflows in float32."""
+    x = randn(5, 130)
+    out = nf.compile(max_after_a_large_sum, schedule=schedule)(x)
+    assert not torch.isnan(out).any()
+    expected = torch.exp(x - (x * x).sum(-1, keepdim=True)).amax(-1)  # float32, as the kernel computes it
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-30)
+
+
 def test_basis_expansion_of_entropy_translation_validation():
     x = randn(6, 50) * 3
     prog = hoist_invariant_factors(inline_elementwise(softmax_entropy.trace(x)))

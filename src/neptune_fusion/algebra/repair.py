@@ -25,7 +25,17 @@ from dataclasses import dataclass
 
 from neptune_fusion.algebra import symbolic as S
 from neptune_fusion.ir.errors import FusionError
-from neptune_fusion.ir.expr import Expr, Reduce, free_axes, walk
+from neptune_fusion.ir.expr import (
+    REDUCER_IDENTITY,
+    Const,
+    Expr,
+    Reduce,
+    Where,
+    free_axes,
+    loads_of,
+    transform_bottom_up,
+    walk,
+)
 from neptune_fusion.ir.printer import format_expr
 
 
@@ -53,6 +63,8 @@ def _derive_cached(stage: str, reducer: str, axis: str, g: Expr, producers: tupl
     def fail(condition: str) -> FusionError:
         return FusionError("repair derivation", stage, where, condition)
 
+    if reducer in ("max", "min"):
+        g = _drop_identity_guards(g, REDUCER_IDENTITY[reducer], producers)
     try:
         g_old, table = S.to_sympy(g, set(producers))
     except S.NotAlgebraic as exc:
@@ -92,6 +104,22 @@ def _derive_cached(stage: str, reducer: str, axis: str, g: Expr, producers: tupl
     raise fail("repair fails distribution over the reducer: " + "; ".join(failures))
 
 
+def _drop_identity_guards(g: Expr, identity: float, producers: tuple[str, ...]) -> Expr:
+    """where(cond, x, identity) -> x for a max/min whose cond reads no running value: the guarded
+    terms add the identity before and after any rescaling (a monotone h keeps +-inf at +-inf),
+    so x's repair is the map's repair."""
+
+    def rule(node: Expr) -> Expr | None:
+        if not isinstance(node, Where) or loads_of(node.cond) & set(producers):
+            return None
+        for kept, other in ((node.a, node.b), (node.b, node.a)):
+            if isinstance(other, Const) and other.value == identity:
+                return kept
+        return None
+
+    return transform_bottom_up(g, rule)
+
+
 def _varies_along(expr: Expr, axis: str) -> bool:
     """Whether `expr` takes different values along `axis` (or reduces over it)."""
     return axis in free_axes(expr) or any(isinstance(n, Reduce) and n.axis == axis for n in walk(expr))
@@ -123,7 +151,7 @@ def contribution_vanishes(g: Expr, masked: Expr, value: float, identity: float, 
 
     Proves that a fully masked tile adds nothing to a reduction, so the loop may skip it.
     """
-    from neptune_fusion.ir.expr import Load, transform_bottom_up
+    from neptune_fusion.ir.expr import Load
 
     marker = "__masked__"
     replaced = transform_bottom_up(g, lambda node: Load(marker, ()) if node == masked else None)

@@ -116,6 +116,10 @@ def combine_program(fused: Program) -> Program:
                 return None
 
             body = transform_bottom_up(repair, rule)
+            if m.reduce_op in ("max", "min"):
+                # a chunk's max/min that saw nothing stays +-inf, never inf * 0 = NaN through its repair
+                ident = Const(REDUCER_IDENTITY[m.reduce_op])
+                body = Where(Binary("eq", part(m.name), ident), ident, body)
         assert m.reduce_op is not None
         stages.append(Stage(m.name, m.axes, Reduce(m.reduce_op, SPLIT_AXIS, body)))
     post = [n for n in fused.stages if isinstance(n, Stage)]

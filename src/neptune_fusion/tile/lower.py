@@ -377,7 +377,8 @@ class KernelBuilder:
             for tile, scalar in ((expr.a, expr.b), (expr.b, expr.a)):
                 if expr.op == "div" and scalar is not expr.b:
                     continue
-                if not free_axes(scalar) and not loads_of(scalar):
+                # loop-invariant scalars only: a running value (a repair's r, r') changes per tile
+                if not free_axes(scalar) and not loads_of(scalar) and not self.is_variant(scalar, ctx):
                     s = self.emit(scalar, ctx)
                     s = self.to(s, "f32", self.scopes[0])
                     factor = self.const(LOG2E)
@@ -856,6 +857,11 @@ class KernelBuilder:
                     ctx.placeholders[Running(p, "new")] = ctx.values[p]
                 acc = self.emit(repair, ctx)
                 ctx.placeholders = {}
+                if m.reduce_op in ("max", "min"):
+                    # a max/min that has seen nothing stays +-inf: repairing it could compute
+                    # inf * 0 (its factor underflowing), which is NaN
+                    ident = self.const(REDUCER_IDENTITY[m.reduce_op])
+                    acc = self.op("where", acc.axes, "f32", (self.bin("eq", state[m.name], ident), ident, acc))
             else:
                 acc = state[m.name]
             # the repair before the operands: emitting the repair right before its dot measured 4-9%
