@@ -385,3 +385,22 @@ def _evaluate(expr: Expr, env: dict[str, object]) -> torch.Tensor:
         raise TypeError(n)
 
     return go(expr)
+
+
+def test_max_of_normalised_weights_needs_a_positive_normaliser():
+    """max_j exp(x_j - m) * y_j / l: the repair t * (l / l') * exp(m - m') is monotone only if
+    l / l' >= 0, which holds when l sums a positive map (a softmax normaliser)."""
+    g = exp(X_IJ - M) * ld("y", "i", "j") / L
+    with pytest.raises(FusionError, match="not provably monotone"):
+        derive_repair("w", "max", "j", g, ("l", "m"))
+    h = derive_repair("w", "max", "j", g, ("l", "m"), frozenset({"l"})).h
+    assert "l.old" in format_expr(h) and "m.old" in format_expr(h)
+
+
+def test_positive_maps():
+    from neptune_fusion.algebra.repair import positive_map
+
+    assert positive_map(exp(X_IJ - M), ("m",))
+    assert positive_map(exp(X_IJ - M) / L, ("l", "m"), frozenset({"l"}))
+    assert not positive_map(exp(X_IJ - M) / L, ("l", "m"))  # l's sign unknown
+    assert not positive_map(X_IJ * X_IJ, ())  # 0 for x = 0

@@ -230,6 +230,27 @@ def test_a_max_that_has_seen_nothing_is_not_rescaled_into_nan(schedule):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-30)
 
 
+@nf.program
+def max_attention_weighted_value(x, y):
+    m = x.max(axis=-1, keepdims=True)
+    e = nf.exp(x - m)
+    return (e * y / e.sum(axis=-1, keepdims=True)).max(axis=-1)
+
+
+def test_max_of_softmax_weighted_values():
+    """The max member is rescaled by l / l': monotone because l sums exp(...) > 0. The proof does
+    not carry over to merging split-K partial states (their signs are not known): explicit split_k
+    refuses, the automatic plan (few rows: split-K) falls back to one pass."""
+    x, y = randn(2, 600) * 2, randn(2, 600)
+    expected = (torch.softmax(x.double(), -1) * y.double()).amax(-1)
+    fn = nf.compile(max_attention_weighted_value)
+    torch.testing.assert_close(fn(x, y).double(), expected, rtol=1e-5, atol=1e-6)
+    named = dict(fn.program_def.bind(x, y))
+    assert fn.executable_for(fn.program_def.trace(**named), named).plan.splits == 1
+    with pytest.raises(nf.FusionError, match="over split"):
+        nf.compile(max_attention_weighted_value, schedule=nf.split_k(splits=3))(x, y)
+
+
 def test_basis_expansion_of_entropy_translation_validation():
     x = randn(6, 50) * 3
     prog = hoist_invariant_factors(inline_elementwise(softmax_entropy.trace(x)))

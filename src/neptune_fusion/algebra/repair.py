@@ -48,16 +48,20 @@ class Repair:
     proof: str
 
 
-def derive_repair(stage: str, reducer: str, axis: str, g: Expr, producers: tuple[str, ...]) -> Repair:
+def derive_repair(stage: str, reducer: str, axis: str, g: Expr, producers: tuple[str, ...],
+                  positive: frozenset[str] = frozenset()) -> Repair:
     """Derive and prove the repair of reduction `stage` (`reducer` over `axis` of `g`).
 
-    Raises FusionError naming the stage, the reduction and the condition that failed.
+    `positive`: producers whose running value is > 0 once it has seen a term (reductions of
+    positive maps, `positive_map`); the proofs may use it. Raises FusionError naming the stage, the
+    reduction and the condition that failed.
     """
-    return _derive_cached(stage, reducer, axis, g, tuple(sorted(producers)))
+    return _derive_cached(stage, reducer, axis, g, tuple(sorted(producers)), frozenset(positive) & set(producers))
 
 
 @functools.lru_cache(maxsize=1024)
-def _derive_cached(stage: str, reducer: str, axis: str, g: Expr, producers: tuple[str, ...]) -> Repair:
+def _derive_cached(stage: str, reducer: str, axis: str, g: Expr, producers: tuple[str, ...],
+                   positive: frozenset[str]) -> Repair:
     where = f"{reducer} over {axis}"
 
     def fail(condition: str) -> FusionError:
@@ -66,7 +70,7 @@ def _derive_cached(stage: str, reducer: str, axis: str, g: Expr, producers: tupl
     if reducer in ("max", "min"):
         g = _drop_identity_guards(g, REDUCER_IDENTITY[reducer], producers)
     try:
-        g_old, table = S.to_sympy(g, set(producers))
+        g_old, table = S.to_sympy(g, set(producers), S.SymbolTable(positive=positive))
     except S.NotAlgebraic as exc:
         raise fail(f"the map {format_expr(g)} uses {exc} which the algebra cannot reason about") from None
     # Subexpressions free of the running values are opaque symbols. Those that vary along the
@@ -102,6 +106,16 @@ def _derive_cached(stage: str, reducer: str, axis: str, g: Expr, producers: tupl
             return Repair(S.from_sympy(h, table), combine, f"g splits with '{combine}'; h = {h}; {proof}")
         failures.append(proof)
     raise fail("repair fails distribution over the reducer: " + "; ".join(failures))
+
+
+def positive_map(g: Expr, producers: tuple[str, ...], positive: frozenset[str] = frozenset()) -> bool:
+    """Whether every value of the map `g` is > 0, so a sum, max or min of it is > 0 once it has a
+    term (a softmax normaliser `sum exp(x - m)`, a max of exp(...))."""
+    try:
+        sym, _ = S.to_sympy(g, set(producers), S.SymbolTable(positive=positive))
+    except S.NotAlgebraic:
+        return False
+    return S.is_positive(sym)
 
 
 def _drop_identity_guards(g: Expr, identity: float, producers: tuple[str, ...]) -> Expr:

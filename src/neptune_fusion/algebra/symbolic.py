@@ -45,12 +45,16 @@ class SymbolTable:
     opaque: dict[Expr, sp.Symbol] = field(default_factory=dict)
     running: dict[str, sp.Symbol] = field(default_factory=dict)
     running_new: dict[str, sp.Symbol] = field(default_factory=dict)
+    positive: frozenset[str] = frozenset()  # running values known > 0 (reductions of positive maps)
 
     def old(self, name: str) -> sp.Symbol:
-        return self.running.setdefault(name, sp.Symbol(f"r_{name}", real=True))
+        return self.running.setdefault(name, self._running_symbol(f"r_{name}", name))
 
     def new(self, name: str) -> sp.Symbol:
-        return self.running_new.setdefault(name, sp.Symbol(f"r_{name}'", real=True))
+        return self.running_new.setdefault(name, self._running_symbol(f"r_{name}'", name))
+
+    def _running_symbol(self, text: str, name: str) -> sp.Symbol:
+        return sp.Symbol(text, positive=True) if name in self.positive else sp.Symbol(text, real=True)
 
     def constant(self, expr: Expr) -> sp.Symbol:
         if expr not in self.opaque:
@@ -201,6 +205,11 @@ def factors(value: sp.Expr) -> tuple[sp.Expr, ...]:
 
 def product(items: list[sp.Expr]) -> sp.Expr:
     return sp.Mul(*items)
+
+
+def is_positive(value: sp.Expr) -> bool:
+    """Whether SymPy can prove `value > 0` (real symbols)."""
+    return bool(value.is_positive)
 
 
 def is_nonnegative(value: sp.Expr) -> bool:

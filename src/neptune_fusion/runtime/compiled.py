@@ -35,7 +35,7 @@ from neptune_fusion.runtime.blockmap import block_map, block_map_axes
 from neptune_fusion.runtime.reference import axis_extents, run_reference
 from neptune_fusion.schedule.auto import Plan, choose
 from neptune_fusion.schedule.pipeline import SPLIT_AXIS, Step, combine_program, fuse
-from neptune_fusion.schedule.templates import Auto, Autotune, Schedule
+from neptune_fusion.schedule.templates import Auto, Autotune, Flash, Schedule, SplitK
 from neptune_fusion.tile.ir import TileKernel
 from neptune_fusion.tile.lower import (
     BLOCK_MAP_PREFIX,
@@ -336,6 +336,7 @@ class Compiled:
         int_params = {p for p, k in fused.param_kinds.items() if k == "int"}
         masks = analyze_masks(fused_loop_of(fused), roles.row, int_params, contribution_vanishes)
         use_block_map = masks.residual
+        given_plan = plan is not None
         if plan is None:
             plan = choose(self.schedule, rows=sizes[roles.row], cols=sizes[roles.col], batch=batch,
                           full_sizes=full_sizes, dtype=main_dtype, num_sms=_num_sms(device), interpreter=interpreter,
@@ -392,7 +393,19 @@ class Compiled:
         ctile = None
         if plan.splits > 1:
             cprog = combine_program(fused)
-            combine_steps = fuse(cprog)
+            try:
+                combine_steps = fuse(cprog)
+            except FusionError:
+                if isinstance(self.schedule, SplitK) or given_plan:
+                    raise
+                # the partial states cannot be merged (a proof that holds inside one pass, say with a
+                # positive normaliser, does not carry over to the merge): one pass per row tile instead
+                flash = choose(Flash(), rows=sizes[roles.row], cols=sizes[roles.col], batch=batch,
+                               full_sizes=full_sizes, dtype=main_dtype, num_sms=_num_sms(device),
+                               interpreter=interpreter, block_mapped=use_block_map)
+                exe = self.executable_for(program, args, flash)
+                self._cache[key] = exe
+                return exe
             cfused = combine_steps[-1].program
             cdtypes = {b.name: ("f32" if b.name.startswith("part_") else dtypes[b.name]) for b in cprog.inputs}
             cfull = {a: full_sizes[a] for a in assign_roles(cfused).full}

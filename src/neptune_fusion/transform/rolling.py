@@ -11,7 +11,7 @@ Example:
 
 from __future__ import annotations
 
-from neptune_fusion.algebra.repair import derive_repair
+from neptune_fusion.algebra.repair import derive_repair, positive_map
 from neptune_fusion.analysis.chains import transitive_reads
 from neptune_fusion.ir.errors import FusionError
 from neptune_fusion.ir.expr import Expr, Index, Load, Reduce, walk
@@ -31,7 +31,8 @@ def build_fused_loop(program: Program, axis: str, mode: str = "rolling", splits:
     names = {m.name for m in members}
     producers: dict[str, tuple[str, ...]] = {}
     repairs: dict[str, Expr | None] = {}
-    for m in members:
+    positive: set[str] = set()  # members whose running value is > 0 once they have a term
+    for m in _topological(members, {st.name: tuple(sorted(names & st.reads())) for st in members}):
         assert isinstance(m.body, Reduce)
         where = f"{m.body.op} over {axis}"
         direct = tuple(sorted(names & m.reads()))
@@ -52,7 +53,10 @@ def build_fused_loop(program: Program, axis: str, mode: str = "rolling", splits:
                         f"reads the running value {p!r} at indices other than its own axes {prod.axes}",
                     )
         producers[m.name] = direct
-        repairs[m.name] = derive_repair(m.name, m.body.op, axis, m.body.body, direct).h if direct else None
+        known = frozenset(positive & set(direct))
+        repairs[m.name] = derive_repair(m.name, m.body.op, axis, m.body.body, direct, known).h if direct else None
+        if m.body.op in ("sum", "max", "min") and positive_map(m.body.body, direct, known):
+            positive.add(m.name)
     order = _topological(members, producers)
     return FusedLoop(f"loop_{axis}", axis, tuple(order), producers, repairs, mode, splits)
 
