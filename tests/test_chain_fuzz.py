@@ -56,24 +56,21 @@ def test_random_reduction_chains(seed):
     r1, r2, r3 = (rng.choice(["sum", "max", "min"]) for _ in range(3))
     f, g, h = rng.choice(list(FIRST)), rng.choice(list(SECOND)), rng.choice(list(THIRD))
 
+    def stages(library: str, x, y):
+        side = 0 if library == "nf" else 1
+        m = _reduce(r1, FIRST[f][side](x), library)
+        n = _reduce(r2, SECOND[g][side](x, m), library)
+        if THIRD[h][side] is None:
+            return n[..., 0]
+        return _reduce(r3, THIRD[h][side](x, y, m, n), library)[..., 0]
+
     @nf.program
     def chain(x, y):
-        m = _reduce(r1, FIRST[f][0](x), "nf")
-        n = _reduce(r2, SECOND[g][0](x, m), "nf")
-        if THIRD[h][0] is None:
-            return n[..., 0]
-        return _reduce(r3, THIRD[h][0](x, y, m, n), "nf")[..., 0]
+        return stages("nf", x, y)
 
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(4, rng.choice([40, 100, 150]), generator=gen)
     y = torch.randn(x.shape, generator=gen)
-
-    def reference(xt, yt):
-        m = _reduce(r1, FIRST[f][1](xt), "torch")
-        n = _reduce(r2, SECOND[g][1](xt, m), "torch")
-        if THIRD[h][1] is None:
-            return n[..., 0]
-        return _reduce(r3, THIRD[h][1](xt, yt, m, n), "torch")[..., 0]
 
     schedule = rng.choice([None, nf.split_k(splits=3)])
     label = f"{r1}({f}) -> {r2}({g}) -> {r3}({h}) {schedule}"
@@ -81,7 +78,7 @@ def test_random_reduction_chains(seed):
         out = nf.compile(chain, schedule=schedule)(x, y)
     except nf.FusionError:
         return  # refused with a reason: allowed
-    expected = reference(x.double(), y.double())
-    representable = torch.isfinite(reference(x, y))  # where float32 (computed plainly) holds the true value
+    expected = stages("torch", x.double(), y.double())
+    representable = torch.isfinite(stages("torch", x, y))  # where float32 (computed plainly) holds the true value
     torch.testing.assert_close(out.double()[representable], expected[representable], rtol=1e-4, atol=1e-5,
                                msg=label)
