@@ -1,7 +1,10 @@
 """FlexAttention-style operators (issue 4): the same score_mod / mask_mod functions given to
 torch's flex_attention (compiled) and to nf.attention, correct against fp32, timed in one run.
 
-    python bench/flex_ops.py [--seqs 1024 4096 16384] [--ops pf_alibi pf_softcap ...]
+    python bench/flex_ops.py [--seqs 1024 4096 16384] [--ops pf_alibi pf_softcap ... dc_lengths]
+
+`dc_lengths` is decode over a padded KV cache with per-sequence lengths (a data-dependent mask:
+split-K over the block map's tile lists).
 
 Writes $OUT/flex_ops.json (or bench/results/flex_ops.json) and prints a table.
 """
@@ -22,12 +25,17 @@ SOFTCAP = 50.0
 
 
 def make_case(op: str, seq: int, device: str = "cuda"):
-    """(q, k, v, score_mod, mask_mod, gqa) exactly as a FlexAttention user writes them."""
+    """(q, k, v, score_mod, mask_mod, gqa) exactly as a FlexAttention user writes them.
+
+    `dc_lengths`: decode (one query token) for a batch of 4 sequences of different lengths in one
+    padded KV cache of `seq` slots, the mask reading a per-sequence length tensor."""
     heads = {"pf_alibi": (32, 32), "pf_softcap": (32, 16), "pf_window": (32, 8), "pf_gqa": (64, 8),
-             "pf_document": (32, 32), "pf_prefix_lm": (32, 32)}[op]
+             "pf_document": (32, 32), "pf_prefix_lm": (32, 32), "dc_lengths": (32, 8)}[op]
     hq, hkv = heads
-    q = torch.randn(1, hq, seq, 128, device=device, dtype=torch.float16)
-    k, v = (torch.randn(1, hkv, seq, 128, device=device, dtype=torch.float16) for _ in range(2))
+    batch, q_len = (4, 1) if op.startswith("dc_") else (1, seq)
+    q = torch.randn(batch, hq, q_len, 128, device=device, dtype=torch.float16)
+    k, v = (torch.randn(batch, hkv, seq, 128, device=device, dtype=torch.float16) for _ in range(2))
+    kv_lengths = torch.tensor([seq, seq // 2 + 3, seq // 4 - 5, seq - 77], device=device)
     slopes = torch.exp2(-8.0 * torch.arange(1, hq + 1, device=device, dtype=torch.float32) / hq)
     g = torch.Generator(device="cpu").manual_seed(seq)
     lengths = torch.randint(seq // 16, seq // 2, (64,), generator=g)
@@ -53,9 +61,13 @@ def make_case(op: str, seq: int, device: str = "cuda"):
     def prefix_lm(b, h, q_idx, kv_idx):
         return (kv_idx < prefix) | (q_idx >= kv_idx)
 
+    def by_length(b, h, q_idx, kv_idx):
+        return kv_idx < kv_lengths[b]
+
     table = {
         "pf_alibi": (alibi, causal), "pf_softcap": (softcap, causal), "pf_window": (softcap, window),
         "pf_gqa": (None, causal), "pf_document": (None, document), "pf_prefix_lm": (None, prefix_lm),
+        "dc_lengths": (None, by_length),
     }
     score_mod, mask_mod = table[op]
     return q, k, v, score_mod, mask_mod, hq != hkv
@@ -66,7 +78,7 @@ def reference_rows(q, k, v, score_mod, mask_mod, rows, scale):
     hq, hkv = q.shape[1], k.shape[1]
     kf, vf = k.float().repeat_interleave(hq // hkv, 1), v.float().repeat_interleave(hq // hkv, 1)
     s = torch.einsum("bhqd,bhkd->bhqk", q[:, :, rows].float(), kf) * scale
-    b = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=q.device)
+    b = torch.arange(q.shape[0], device=q.device)[:, None, None, None]
     h = torch.arange(hq, device=q.device)[None, :, None, None]
     qi = rows[None, None, :, None]
     ki = torch.arange(k.shape[2], device=q.device)[None, None, None, :]
@@ -81,7 +93,7 @@ def run_case(op: str, seq: int) -> dict:
     torch.manual_seed(0)
     q, k, v, score_mod, mask_mod, gqa = make_case(op, seq)
     scale = 1.0 / math.sqrt(q.shape[-1])
-    rows = torch.randperm(seq, device="cuda")[:128].sort().values
+    rows = torch.randperm(q.shape[2], device="cuda")[:128].sort().values
     ref = reference_rows(q, k, v, score_mod, mask_mod, rows, scale)
     out = nf.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, enable_gqa=gqa)
     torch.cuda.synchronize()
@@ -91,7 +103,8 @@ def run_case(op: str, seq: int) -> dict:
     flex = torch.compile(flex_attention, dynamic=False)
     block_mask = None
     if mask_mod is not None:
-        block_mask = create_block_mask(mask_mod, None, None, seq, seq, device="cuda")
+        batch = q.shape[0] if q.shape[0] > 1 else None  # masks may read the batch index
+        block_mask = create_block_mask(mask_mod, batch, None, q.shape[2], seq, device="cuda")
     fout = flex(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa)
     result["flex_rel_err"] = rel_err(fout[:, :, rows], ref)
     result["flex_us"] = bench(lambda: flex(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa))
@@ -103,7 +116,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seqs", type=int, nargs="+", default=[1024, 4096, 16384])
     ap.add_argument("--ops", nargs="+", default=["pf_alibi", "pf_softcap", "pf_window", "pf_gqa", "pf_document",
-                                                 "pf_prefix_lm"])
+                                                 "pf_prefix_lm", "dc_lengths"])
     args = ap.parse_args()
     warm_up_gpu()
     results = []
