@@ -29,6 +29,7 @@ from neptune_fusion.ir.expr import (
     REDUCER_IDENTITY,
     Const,
     Expr,
+    Load,
     Reduce,
     Where,
     free_axes,
@@ -165,8 +166,6 @@ def contribution_vanishes(g: Expr, masked: Expr, value: float, identity: float, 
 
     Proves that a fully masked tile adds nothing to a reduction, so the loop may skip it.
     """
-    from neptune_fusion.ir.expr import Load
-
     marker = "__masked__"
     replaced = transform_bottom_up(g, lambda node: Load(marker, ()) if node == masked else None)
     try:

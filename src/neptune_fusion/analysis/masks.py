@@ -227,7 +227,8 @@ def analyze_masks(loop: FusedLoop, row: str, int_params: set[str] | None, vanish
     for cond, nodes in groups.items():
         ok = True
         for m, g in bodies:
-            present = [w for w, _ in nodes if w in set(walk(g))]
+            in_g = set(walk(g))
+            present = [w for w, _ in nodes if w in in_g]
             if not present:
                 ok = False
                 break

@@ -425,7 +425,7 @@ class Compiled:
             if prefetch_index:
                 tile = prefetch_scalar_loads(tile)
             tile = prefetch_first_dot(tile) if plan.prefetch_dot else tile
-            if combine is not None and dependent_launch:
+            if dependent_launch:
                 tile.grid_dependency = "primary"
             return tile
 

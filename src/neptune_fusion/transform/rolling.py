@@ -29,13 +29,14 @@ def build_fused_loop(program: Program, axis: str, mode: str = "rolling", splits:
     if not members:
         raise FusionError("rolling update", "-", f"reductions over {axis}", f"the program has no reduction over axis {axis!r}")
     names = {m.name for m in members}
-    producers: dict[str, tuple[str, ...]] = {}
+    producers = {m.name: tuple(sorted(names & m.reads())) for m in members}
+    order = _topological(members, producers)
     repairs: dict[str, Expr | None] = {}
     positive: set[str] = set()  # members whose running value is > 0 once they have a term
-    for m in _topological(members, {st.name: tuple(sorted(names & st.reads())) for st in members}):
+    for m in order:  # producers first: what is known about them (positivity) serves their readers
         assert isinstance(m.body, Reduce)
         where = f"{m.body.op} over {axis}"
-        direct = tuple(sorted(names & m.reads()))
+        direct = producers[m.name]
         for other in m.reads() - names:
             hidden = transitive_reads(program, other) & names
             if hidden:
@@ -52,12 +53,10 @@ def build_fused_loop(program: Program, axis: str, mode: str = "rolling", splits:
                         "rolling update", m.name, where,
                         f"reads the running value {p!r} at indices other than its own axes {prod.axes}",
                     )
-        producers[m.name] = direct
         known = frozenset(positive & set(direct))
         repairs[m.name] = derive_repair(m.name, m.body.op, axis, m.body.body, direct, known).h if direct else None
         if m.body.op in ("sum", "max", "min") and positive_map(m.body.body, direct, known):
             positive.add(m.name)
-    order = _topological(members, producers)
     return FusedLoop(f"loop_{axis}", axis, tuple(order), producers, repairs, mode, splits)
 
 
