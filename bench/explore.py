@@ -39,8 +39,32 @@ def grid_group(group: int) -> dict[str, str]:
     return {"NEPTUNE_FUSION_GRID_GROUP": str(group)}
 
 
-PREFILL_VARIANTS = [(f"g{g}{suffix}", nf.flash(128, 128, 8, 3), grid_group(g))
-                    for suffix in ("", "_again") for g in (1, 2, 3, 4, 5, 6, 8, 16)]
+WS = {"NEPTUNE_FUSION_WS": "1"}
+# run 27: does Triton 3.6's Hopper warp specialisation apply with one warpgroup per program (it did
+# nothing at 8 warps, item 4), and do four warpgroups sharing each key tile (256 rows) overlap better?
+PREFILL_VARIANTS = [("128x128_w8_s3", nf.flash(128, 128, 8, 3), {}), ("128x128_w4_s3_ws", nf.flash(128, 128, 4, 3), WS),
+                    ("128x128_w4_s2_ws", nf.flash(128, 128, 4, 2), WS), ("128x128_w8_s3_ws", nf.flash(128, 128, 8, 3), WS),
+                    ("256x64_w16_s3", nf.flash(256, 64, 16, 3), {}), ("256x64_w16_s4", nf.flash(256, 64, 16, 4), {}),
+                    ("256x128_w16_s2", nf.flash(256, 128, 16, 2), {}), ("128x64_w8_s4", nf.flash(128, 64, 8, 4), {}),
+                    ("128x128_w8_s3_again", nf.flash(128, 128, 8, 3), {})]
+
+
+def kernel_stats(fn: object) -> dict:
+    """Registers, spills, shared memory and whether warp specialisation applied, of the main kernel
+    of the first executable compiled by `fn` (an nf.compile result). Variants whose sources are equal
+    share one Triton function: the compiled kernel is the one with this plan's warps and score tile."""
+    try:
+        exe = next(iter(fn._cache.values()))
+        plan = exe.plan
+        tile = f"tensor<{plan.block_row}x{plan.block_col}xf32"
+        kernels = [k for cache in exe.main.fn.device_caches.values() for k in cache[0].values()]
+        compiled = next(k for k in kernels if k.metadata.num_warps == plan.num_warps
+                        and k.metadata.num_stages == plan.num_stages and tile in k.asm.get("ttgir", ""))
+        meta = compiled.metadata
+        return {"n_regs": compiled.n_regs, "n_spills": compiled.n_spills, "shared": meta.shared,
+                "num_warps": meta.num_warps, "ws_applied": "ttg.warp_specialize" in compiled.asm.get("ttgir", "")}
+    except Exception as exc:  # noqa: BLE001 - statistics are a bonus, never fatal
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 @contextmanager
@@ -86,10 +110,11 @@ def prefill(seqs: list[int], ops: list[str]) -> list[dict]:
                 t = r["us"]
                 exe = next(iter(fn._cache.values()))
                 group = exe.main.tile.constexprs.get("GROUP_B", 1)
+                stats = kernel_stats(fn)
                 row["variants"][name] = {**r, "vs_cudnn": (cudnn / t) if cudnn else None, "plan": str(exe.plan),
-                                         "grid_group": group}
+                                         "grid_group": group, "kernel": stats}
                 print(f"{op:10s} {seq:6d} {name:16s} {t:9.1f}us err {r['rel_err']:.1e}  x{(cudnn or 0) / t:.3f} cuDNN "
-                      f"({cudnn or 0:.1f}) group {group}", flush=True)
+                      f"({cudnn or 0:.1f}) group {group} {stats}", flush=True)
             out.append(row)
     return out
 
@@ -166,6 +191,81 @@ def decode(seqs: list[int], ops: list[str], fused_modes: tuple[str, ...], by_han
     return out
 
 
+def decode_interleaved(op: str, seq: int, variants: list[tuple[str, nf.SplitK, dict[str, str]]],
+                       rounds: int = 3) -> dict:
+    """Like `decode_variants`, but every variant is compiled and checked first and then timed in
+    `rounds` interleaved rounds (the best median kept): a timing right after a compile read 2-4x
+    slow on short decode (item 19)."""
+    hq, hkv, kind = DECODE_OPS[op]
+    torch.manual_seed(0)
+    q = torch.randn(1, hq, 1, 128, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(1, hkv, seq, 128, device="cuda", dtype=torch.float16) for _ in range(2))
+    slopes = torch.ones(hq, device="cuda")
+    scale = 1 / math.sqrt(128)
+    ref = torch_plain(q.float(), k.float(), v.float(), slopes, scale, kind).float()
+    calls: dict[str, Callable[[], torch.Tensor]] = {}
+    if kind != "softcap":
+        def cudnn_call() -> torch.Tensor:
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=hq != hkv)
+        calls["cudnn"] = cudnn_call
+    row = {"op": op, "seq": seq, "variants": {}}
+    for name, schedule, env in variants:
+        fn = nf.compile(plain(kind), schedule=schedule)
+        with environment_switches(env):
+            try:
+                err = rel_err(fn(q, k, v, slopes, scale), ref)
+            except Exception as exc:  # noqa: BLE001
+                print(f"{op} {seq} {name} FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                continue
+        exe = next(iter(fn._cache.values()))
+        row["variants"][name] = {"rel_err": err, "plan": str(exe.plan), "us_rounds": []}
+        calls[name] = lambda fn=fn: fn(q, k, v, slopes, scale)
+    if "cudnn" in calls:
+        row["variants"]["cudnn"] = {"us_rounds": []}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            row["variants"][name]["us_rounds"].append(bench(call))
+    nbytes = 2 * hkv * seq * 128 * 2
+    for name, r in row["variants"].items():
+        r["us"] = min(r["us_rounds"])
+        r["gbps"] = nbytes / (r["us"] * 1e-6) / 1e9
+        print(f"{op:10s} {seq:6d} {name:22s} {r['us']:8.1f}us {r['gbps']:6.0f} GB/s err {r.get('rel_err', 0):.1e} "
+              f"rounds {[round(x, 1) for x in r['us_rounds']]} {r.get('plan', '')}", flush=True)
+    return row
+
+
+def decode_loads(seqs: list[int], ops: list[str]) -> list[dict]:
+    """Split-K key tiles through pointers (the default since run 27) against tensor descriptors, and
+    by-hand split counts on short decode, timed interleaved."""
+    variants = [("auto", nf.split_k(), {}), ("auto_tma", nf.split_k(), {"NEPTUNE_FUSION_SPLITK_TMA": "1"})]
+    out = []
+    for op in ops:
+        for seq in seqs:
+            extra = [(f"s{n}", nf.split_k(splits=n), {}) for n in (2, 8, 16) if seq <= 4096 and seq >= 64 * n]
+            out.append(decode_interleaved(op, seq, variants + extra))
+    return out
+
+
+def read_ceiling_evict() -> list[dict]:
+    """The plain read-and-sum ceiling (bench/read_ceiling.py) with and without eviction hints (run 27:
+    no difference, so keeping do_bench's dirty flush lines in the L2 is not what limits the reads)."""
+    from bench.read_ceiling import triton_read_us
+
+    rows = []
+    for nbytes in (4 * 2**20, 64 * 2**20, 128 * 2**20, 256 * 2**20):
+        x = torch.randn(nbytes // 2, device="cuda", dtype=torch.float16)
+        row = {"bytes": nbytes}
+        for evict in ("", "evict_first", "evict_last"):
+            us, config = triton_read_us(x, evict)
+            row[evict or "default"] = {"us": us, "gbps": nbytes / (us * 1e-6) / 1e9, "config": config}
+        print(f"read {nbytes / 2**20:6.0f} MiB " + "  ".join(f"{k} {v['us']:7.1f}us {v['gbps']:5.0f} GB/s"
+                                                          for k, v in row.items() if k != "bytes"), flush=True)
+        rows.append(row)
+        del x
+    return rows
+
+
 DECODE_TILES = [(16, 64, 2), (16, 64, 3), (16, 128, 2), (16, 128, 3), (8, 128, 3), (8, 64, 3), (32, 64, 2),
                 (16, 64, 4)]
 
@@ -199,6 +299,10 @@ def main() -> None:
                 results[part] = flex(args.flex_seqs, args.flex_ops)
             elif part == "decode":
                 results[part] = decode(args.decode_seqs, args.decode_ops, tuple(args.fused), args.decode_splits)
+            elif part == "decode_loads":
+                results[part] = decode_loads(args.decode_seqs, args.decode_ops)
+            elif part == "ceiling":
+                results[part] = read_ceiling_evict()
             elif part == "decode_tiles":
                 results[part] = decode_tiles(args.decode_seqs, args.decode_ops)
         except Exception as exc:  # noqa: BLE001 - keep what the other parts measured

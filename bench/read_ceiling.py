@@ -21,17 +21,18 @@ from bench.decode import OPS as DECODE_OPS
 
 
 @triton.jit
-def _read_sum(x_ptr, out_ptr, n, per_program, block: tl.constexpr):
+def _read_sum(x_ptr, out_ptr, n, per_program, block: tl.constexpr, evict: tl.constexpr = ""):
     base = tl.program_id(0).to(tl.int64) * per_program * block
     acc = tl.zeros([block], tl.float32)
     for i in tl.range(0, per_program, num_stages=3):
         offs = base + i * block + tl.arange(0, block)
-        acc += tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+        acc += tl.load(x_ptr + offs, mask=offs < n, other=0.0, eviction_policy=evict).to(tl.float32)
     tl.store(out_ptr + tl.program_id(0), tl.sum(acc))
 
 
-def triton_read_us(x: torch.Tensor) -> tuple[float, str]:
-    """Best median time of a read-and-sum of `x` over a few program counts and tile sizes."""
+def triton_read_us(x: torch.Tensor, evict: str = "") -> tuple[float, str]:
+    """Best median time of a read-and-sum of `x` over a few program counts and tile sizes
+    (`evict`: the loads' eviction policy, "" or "evict_first")."""
     best = (float("inf"), "")
     n = x.numel()
     for block in (2048, 4096, 8192):
@@ -40,7 +41,7 @@ def triton_read_us(x: torch.Tensor) -> tuple[float, str]:
             grid = (triton.cdiv(n, per * block),)
             out = torch.empty(grid[0], device=x.device, dtype=torch.float32)
             def fn(per=per, block=block, grid=grid, out=out) -> None:
-                _read_sum[grid](x, out, n, per, block=block, num_warps=8)
+                _read_sum[grid](x, out, n, per, block=block, evict=evict, num_warps=8)
             fn()
             t = bench(fn)
             if t < best[0]:

@@ -348,6 +348,11 @@ class Compiled:
             # through tensor descriptors (document mask: 238 vs 254 us at 4k, 2348 vs 2423 us at 16k;
             # bench/results/explore_document_run14.json)
             tma = frozenset()
+        if plan.splits > 1 and os.environ.get("NEPTUNE_FUSION_SPLITK_TMA", "0") != "1":
+            # split-K is memory-bound and reads each key tile once: pointer loads measured as fast or
+            # faster on every decode case (dc_causal 16k 80.8 -> 78.1 us, 1k 18.7 -> 16.6; dc_softcap
+            # 16k 50.4 -> 49.7; dc_gqa even; bench/results/explore_run27.json)
+            tma = frozenset()
         positive = frozenset(p for p in program.params if isinstance(args[p], float) and args[p] > 0)
         # one launch (the last split program combines) pays off while launches dominate; from 4k keys
         # on the H200 measured the separate combine launch faster (dc_causal 4k: 36.0 vs 42.4 us,
