@@ -125,11 +125,12 @@ def gluon_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 
 
 def main() -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     import neptune_fusion as nf
     from bench.common import bench, environment, rel_err, warm_up_gpu, write_results
     from bench.prefill import reference_rows
     from neptune_fusion.library import attention
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     warm_up_gpu()
     rows_out = []
