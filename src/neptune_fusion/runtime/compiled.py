@@ -17,7 +17,7 @@ import math
 import os
 import sys
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,6 +25,7 @@ import torch
 
 from neptune_fusion.algebra.repair import contribution_vanishes
 from neptune_fusion.analysis.masks import MaskInfo, analyze_masks
+from neptune_fusion.codegen.gluon_source import generate_gluon, gluon_support
 from neptune_fusion.codegen.triton_source import generate
 from neptune_fusion.ir.errors import FusionError
 from neptune_fusion.ir.expr import free_axes
@@ -91,6 +92,7 @@ class KernelLaunch:
     source: str
     fn: Callable[..., Any]
     program: Program
+    backend: str = "triton"  # "triton" or "gluon" (codegen/gluon_source.py, warp-specialised, Hopper)
 
 
 @dataclass
@@ -256,6 +258,28 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
+def _backend_for(tile: TileKernel, device: torch.device, interpreter: bool) -> tuple[str, str]:
+    """("gluon" or "triton", why) for a main kernel. NEPTUNE_FUSION_BACKEND: "auto" (default: Gluon
+    where `gluon_support` accepts the tile program on a Hopper GPU), "triton", or "gluon" (required:
+    a tile program it cannot print raises)."""
+    setting = os.environ.get("NEPTUNE_FUSION_BACKEND", "auto")
+    if setting not in ("auto", "triton", "gluon"):
+        raise ValueError(f"NEPTUNE_FUSION_BACKEND must be auto, triton or gluon, got {setting!r}")
+    if setting == "triton":
+        return "triton", "NEPTUNE_FUSION_BACKEND=triton"
+    if interpreter:
+        reason = "Triton's interpreter runs Triton kernels only"
+    elif device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
+        reason = "the warp-specialised Gluon kernels are written for Hopper (compute capability 9.x)"
+    else:
+        reason = gluon_support(tile) or ""
+    if not reason:
+        return "gluon", "warp-specialised (Gluon): a producer warp and two consumer warpgroups"
+    if setting == "gluon":
+        raise ValueError(f"NEPTUNE_FUSION_BACKEND=gluon, but {reason}")
+    return "triton", f"Triton (not Gluon: {reason})"
+
+
 def _supports_dependent_launch(device: torch.device) -> bool:
     """Programmatic dependent launch: CUDA on Hopper or newer (not the interpreter)."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
@@ -369,7 +393,8 @@ class Compiled:
                                  use_block_map, device)
         key = (program.fingerprint(), tuple(sorted(dtypes.items())), tuple(sorted(full_sizes.items())), plan,
                layout, interpreter, str(device), tma, os.environ.get("NEPTUNE_FUSION_WS", "0"), positive,
-               fused_combine, combine_rows, prefetch_index, grid_group, dependent_launch)
+               fused_combine, combine_rows, prefetch_index, grid_group, dependent_launch,
+               os.environ.get("NEPTUNE_FUSION_BACKEND", "auto"))
         if key in self._cache:
             return self._cache[key]
         steps = list(_fuse_cached(program, plan.splits))
@@ -444,8 +469,15 @@ class Compiled:
                 config.block_col //= 2
             config.notes = []
             tile = lowered()
-        source = generate(tile, target, [ctile] if config.fused_combine is not None else None)
-        main = KernelLaunch(tile, source, _load_kernel(source, name), fused)
+        backend, why = _backend_for(tile, device, interpreter)
+        tile.notes.append(f"backend: {why}")
+        if backend == "gluon":
+            source = generate_gluon(tile)
+            # Gluon's default partition is one warpgroup; the others are declared by the kernel itself
+            tile = replace(tile, num_warps=4)
+        else:
+            source = generate(tile, target, [ctile] if config.fused_combine is not None else None)
+        main = KernelLaunch(tile, source, _load_kernel(source, name), fused, backend)
         exe = Executable(steps, plan, main, combine, combine_steps, masks if use_block_map else None, ctile)
         self._cache[key] = exe
         return exe

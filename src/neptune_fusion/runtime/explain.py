@@ -49,7 +49,7 @@ def explain(program: ProgramDef | Program | Compiled | Callable[..., Any], *args
                         f"num_warps={plan.num_warps} num_stages={plan.num_stages} splits={plan.splits} "
                         f"prefetch_dot={plan.prefetch_dot}")
     section("tile program", format_tile_kernel(exe.main.tile))
-    section("Triton source", exe.main.source)
+    section("Gluon source" if exe.main.backend == "gluon" else "Triton source", exe.main.source)
     if exe.combine_tile is not None:
         section("combine program (generated from the repair functions)", format_program(exe.combine_steps[0].program))
         section("combine after fusion", format_program(exe.combine_steps[-1].program))

@@ -1,0 +1,506 @@
+"""Gluon code generation for Hopper: tile kernels as warp-specialised programs.
+
+Gluon is Triton's explicit-layout dialect. Written through it, a tile kernel whose loop reads its
+key-axis tiles through tensor descriptors becomes three partitions of one program:
+
+- a producer warp that issues the copies (TMA) of the row-tile operands once and of every loop
+  tile into a ring of shared-memory buffers, each slot guarded by mbarriers;
+- two consumer warpgroups, each running the whole tile program for half of the row tile (64 rows):
+  they wait on a slot's barriers, run their dots (wgmma) and arithmetic, and release the slot.
+
+No barrier spans the whole program inside the loop, so the two consumers drift out of phase and
+one's softmax runs while the other's matrix products use the tensor cores (the same loop through
+Triton measured 491 TF/s, this one 552, bench/results/run29/). Kernels of other shapes (split-K,
+block maps, second passes, loads the copy engine cannot do) stay with `triton_source`; a runtime
+asks `gluon_support` first.
+
+Example:
+    >>> # if gluon_support(tile) is None: source = generate_gluon(tile)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from neptune_fusion.codegen.triton_source import TL_DTYPES, _literal
+from neptune_fusion.tile.ir import Assign, If, Loop, Op, Stmt, Store, TileKernel, TVal
+
+ROW_BLOCK = 128  # two consumer warpgroups of 64 rows each
+CONSUMER_REGISTERS = 232  # per thread; the producer warp keeps 24 (setmaxnreg)
+GL_DTYPES = {k: v.replace("tl.", "gl.") for k, v in TL_DTYPES.items()}
+_ELEMENT_BYTES = {"f16": 2, "bf16": 2}
+
+_PREAMBLE = '''from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+
+@gluon.jit
+def _floordiv(a, b):
+    # Python's floor division (Gluon's // truncates toward zero)
+    q = a // b
+    r = a % b
+    return gl.where((r != 0) & ((r < 0) != (b < 0)), q - 1, q)
+
+
+@gluon.jit
+def _mod(a, b):
+    # Python's modulo (the sign of the divisor)
+    r = a % b
+    return gl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
+
+
+@gluon.jit
+def _tanh(x):
+    return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True, pack=1)
+'''
+
+_UNARY = {
+    "exp2": "gl.exp2({})", "log": "gl.log({})", "log2": "gl.log2({})", "tanh": "_tanh({})",
+    "sigmoid": "(1.0 / (1.0 + gl.exp(-({}))))", "sqrt": "gl.sqrt({})", "rsqrt": "gl.rsqrt({})",
+    "abs": "gl.abs({})", "neg": "-{}", "not": "({} == 0)", "sin": "gl.sin({})", "cos": "gl.cos({})",
+    "recip": "(1.0 / {})", "exp": "gl.exp({})",
+}
+_BINARY = {
+    "add": "{} + {}", "sub": "{} - {}", "mul": "{} * {}", "div": "{} / {}",
+    "max": "gl.maximum({}, {})", "min": "gl.minimum({}, {})",
+    "lt": "{} < {}", "le": "{} <= {}", "gt": "{} > {}", "ge": "{} >= {}", "eq": "{} == {}", "ne": "{} != {}",
+    "and": "{} & {}", "or": "{} | {}", "floordiv": "_floordiv({}, {})", "mod": "_mod({}, {})",
+}
+
+
+@dataclass
+class _Shape:
+    """What the generator learnt about a kernel it can print (see `_analyse`)."""
+
+    row: str
+    col: str
+    defs: dict[str, Op]
+    row_loads: list[Op]  # descriptor loads of row-tile operands (before the loops)
+    rings: list[str]  # descriptors read inside every loop, in the order each body reads them
+    loader_ops: list[Op]  # scalar ops the producer recomputes (loop bounds, descriptor arguments)
+    pairs: list[str] = field(default_factory=list)  # X of every (row, X) register layout
+
+
+def gluon_support(kernel: TileKernel) -> str | None:
+    """None when `generate_gluon` can print `kernel`; otherwise why not (for explain and tests)."""
+    try:
+        _analyse(kernel)
+    except _Unsupported as exc:
+        return str(exc)
+    return None
+
+
+class _Unsupported(Exception):
+    pass
+
+
+def _walk(stmts: list[Stmt]):
+    for st in stmts:
+        yield st
+        if isinstance(st, Loop):
+            yield from _walk(st.body)
+
+
+def _analyse(kernel: TileKernel) -> _Shape:
+    if kernel.grid_dependency != "none" or "SPLITS" in kernel.constexprs:
+        raise _Unsupported("split-K kernels are memory-bound: the Triton backend serves them")
+    if kernel.constexprs.get("BLOCK_R") != ROW_BLOCK:
+        raise _Unsupported(f"the row tile must be {ROW_BLOCK} rows (two consumer warpgroups of 64)")
+    block_c = kernel.constexprs.get("BLOCK_C", 0)
+    if block_c not in (64, 128):
+        raise _Unsupported("key tiles must be 64 or 128 wide")
+    row, col = kernel.tile_axes[0], kernel.tile_axes[1]
+    defs: dict[str, Op] = {}
+    uses: dict[str, list[tuple[Op, int]]] = {}
+    for st in kernel.body:
+        if isinstance(st, If):
+            raise _Unsupported(f"a conditional around the loops ({st.comment or 'run-time tile lists'})")
+        if not isinstance(st, (Op, Store, Loop)):
+            raise _Unsupported(f"statement {type(st).__name__} outside the loops")
+    loops = [st for st in kernel.body if isinstance(st, Loop)]
+    if not loops:
+        raise _Unsupported("no loop over the reduced axis")
+    for loop in loops:
+        if loop.peeled or loop.ahead:
+            raise _Unsupported("software-pipelined loops (prefetch_dot, prefetched indices)")
+        for st in loop.body:
+            if not isinstance(st, (Op, Assign)):
+                raise _Unsupported(f"{type(st).__name__} inside a loop (a second pass or a block map)")
+    for st in _walk(kernel.body):
+        if isinstance(st, Op):
+            defs[st.out.name] = st
+            for i, a in enumerate(st.args):
+                uses.setdefault(a.name, []).append((st, i))
+            if len(st.out.axes) > 2 or (len(st.out.axes) == 2 and st.out.axes[0] != row
+                                        and st.kind not in ("desc_load",)):
+                raise _Unsupported(f"{st.out.name}: register tiles must be (rows, x), got {st.out.axes}")
+            if st.kind == "full" and not st.out.axes:
+                raise _Unsupported("scalar full")
+    row_loads = [st for st in kernel.body if isinstance(st, Op) and st.kind == "desc_load"]
+    for ld in row_loads:
+        if ld.out.axes[0] != row or ld.out.dtype not in _ELEMENT_BYTES:
+            raise _Unsupported(f"{ld.out.name}: a descriptor load outside the loops must be a 16-bit row tile")
+        if any(op.kind != "dot" or i != 0 for op, i in uses.get(ld.out.name, [])):
+            raise _Unsupported(f"{ld.out.name}: a row tile from shared memory can only feed dots")
+    rings: list[str] | None = None
+    for loop in loops:
+        loads = [st for st in loop.body if isinstance(st, Op) and st.kind == "desc_load"]
+        names = [ld.args[0].name for ld in loads]
+        if rings is None:
+            rings = names
+        elif names != rings:
+            raise _Unsupported("loops read different descriptor tiles")
+        for ld in loads:
+            if ld.out.axes[0] != col or ld.out.dtype not in _ELEMENT_BYTES:
+                raise _Unsupported(f"{ld.out.name}: loop tiles must be 16-bit (key, x) tiles")
+            if ld.args[1].name != loop.var.name:
+                raise _Unsupported(f"{ld.out.name}: a loop tile must start at the loop variable")
+            if any(op.kind != "dot" or i != 1 for op, i in uses.get(ld.out.name, [])):
+                raise _Unsupported(f"{ld.out.name}: a loop tile from shared memory can only feed dots as their B")
+    if not rings:
+        raise _Unsupported("the loop reads no tile through a tensor descriptor")
+    pairs: list[str] = []
+    for op in defs.values():
+        if op.kind == "dot":
+            a, b = op.args[0], op.args[1]
+            if op.attrs.get("precision") or a.dtype not in _ELEMENT_BYTES or b.dtype not in _ELEMENT_BYTES:
+                raise _Unsupported(f"{op.out.name}: wgmma here takes 16-bit operands")
+            if defs[b.name].kind != "desc_load" or b.name in {ld.out.name for ld in row_loads}:
+                raise _Unsupported(f"{op.out.name}: the B operand must be a loop tile")
+            if defs.get(a.name) is not None and defs[a.name].kind != "desc_load" and a.axes[0] != row:
+                raise _Unsupported(f"{op.out.name}: the A operand must be a row tile")
+        if len(op.out.axes) == 2 and op.kind != "desc_load" and op.out.axes[1] not in pairs:
+            pairs.append(op.out.axes[1])
+        if len(op.out.axes) == 1 and op.out.axes[0] != row and op.out.axes[0] not in pairs:
+            pairs.append(op.out.axes[0])
+    # row vectors take the layout of the (rows, key) tiles they mostly meet
+    pairs.sort(key=lambda x: x != col)
+    for x in pairs:
+        n = kernel.constexprs[kernel.block_sizes[x]]
+        if n > 256 or n % 16:
+            raise _Unsupported(f"axis {x}: a (rows, {x}) register tile needs a block of at most 256, a multiple of 16")
+    # what the producer recomputes: loop bounds and descriptor arguments, from kernel arguments only
+    needed: set[str] = set()
+    todo = [v.name for loop in loops for v in (loop.start, loop.stop)]
+    for name in rings + [ld.args[0].name for ld in row_loads]:
+        todo.extend(a.name for a in defs[name].args)
+    todo.extend(ld.args[1].name for ld in row_loads)
+    while todo:
+        name = todo.pop()
+        if name in needed or name not in defs:
+            continue
+        op = defs[name]
+        if op.out.axes or op.kind == "load":
+            raise _Unsupported(f"{name}: loop bounds or tile coordinates that depend on loaded data")
+        needed.add(name)
+        todo.extend(a.name for a in op.args)
+    loader_ops = [st for st in kernel.body if isinstance(st, Op) and st.out.name in needed]
+    return _Shape(row, col, defs, row_loads, rings, loader_ops, pairs)
+
+
+class _GluonPrinter:
+    def __init__(self, kernel: TileKernel, shape: _Shape, num_buffers: int) -> None:
+        self.kernel = kernel
+        self.shape = shape
+        self.num_buffers = num_buffers
+        self.row_load_names = {ld.out.name for ld in shape.row_loads}
+        self.smem: dict[str, str] = {}  # desc_load value -> the shared-memory view it reads
+        self.canon_row = shape.pairs[0] if shape.pairs else None
+
+    # --- layouts --------------------------------------------------------------------
+    def block(self, axis: str) -> str:
+        return "HALF_R" if axis == self.shape.row else self.kernel.block_sizes[axis]
+
+    def layout(self, axes: tuple[str, ...]) -> str | None:
+        row = self.shape.row
+        if not axes:
+            return None
+        if len(axes) == 2:
+            return f"L_{axes[1]}"
+        if axes[0] == row:
+            return f"R_{self.canon_row}"
+        return f"C_{axes[0]}"
+
+    def layout_defs(self) -> list[str]:
+        k = self.kernel
+        lines = []
+        for x in self.shape.pairs:
+            n = k.constexprs[k.block_sizes[x]]
+            lines.append(f"L_{x}: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], "
+                         f"instr_shape=[16, {n}, 16])")
+            lines.append(f"R_{x}: gl.constexpr = gl.SliceLayout(1, L_{x})")
+            lines.append(f"C_{x}: gl.constexpr = gl.SliceLayout(0, L_{x})")
+        for op in self.shape.defs.values():
+            a = op.args[0] if op.kind == "dot" else None
+            if a is not None and a.name not in self.row_load_names:
+                lines.append(f"A_{op.out.name}: gl.constexpr = gl.DotOperandLayout(operand_index=0, "
+                             f"parent=L_{op.out.axes[1]}, k_width=2)")
+        return lines
+
+    def same_width(self, x: str, y: str | None) -> bool:
+        """(rows, x) and (rows, y) tiles share one layout (equal wgmma instruction widths)."""
+        k = self.kernel
+        return y is not None and k.constexprs[k.block_sizes[x]] == k.constexprs[k.block_sizes[y]]
+
+    def shape_of(self, axes: tuple[str, ...]) -> str:
+        return "[" + ", ".join(self.block(a) for a in axes) + "]"
+
+    def ref(self, v: TVal, axes: tuple[str, ...]) -> str:
+        """`v` in the layout of values with `axes` (expanded along the axes it lacks)."""
+        if not v.axes or v.axes == axes:
+            return v.name
+        if len(axes) == 1:
+            return v.name
+        row, x = axes
+        if v.axes == (row,):
+            value = v.name if self.same_width(x, self.canon_row) else f"gl.convert_layout({v.name}, R_{x})"
+            return f"gl.expand_dims({value}, 1)"
+        if v.axes == (x,):
+            return f"gl.expand_dims({v.name}, 0)"
+        raise ValueError(f"cannot broadcast {v.axes} to {axes}")
+
+    # --- ops ------------------------------------------------------------------------
+    def expr(self, op: Op) -> str:
+        k, a, out, at = op.kind, op.args, op.out, op.attrs
+        if k == "const":
+            return _literal(at["value"])
+        if k == "program_id":
+            return f"gl.program_id({at['dim']})"
+        if k == "cdiv":
+            return f"gl.cdiv({a[0].name}, {at['block']})"
+        if k == "arange":
+            start = a[0].name
+            if out.axes[0] == self.shape.row:
+                start = f"({start} + HALF_INDEX * HALF_R)"
+            return f"{start} + gl.arange(0, {self.block(out.axes[0])}, layout={self.layout(out.axes)})"
+        if k == "unary":
+            return _UNARY[at["op"]].format(self.ref(a[0], out.axes))
+        if k == "binary":
+            name = at["op"]
+            if name in ("floordiv", "mod") and not out.axes:
+                return ("{} // {}" if name == "floordiv" else "{} % {}").format(a[0].name, a[1].name)
+            return "(" + _BINARY[name].format(self.ref(a[0], out.axes), self.ref(a[1], out.axes)) + ")"
+        if k == "where":
+            return f"gl.where({', '.join(self.ref(x, out.axes) for x in a)})"
+        if k == "cast":
+            return f"gl.cast({a[0].name}, {GL_DTYPES[at['to_dtype']]})"
+        if k == "reduce":
+            fn = {"sum": "gl.sum", "max": "gl.max", "min": "gl.min"}[at["op"]]
+            axis = a[0].axes.index(at["axis"])
+            value = f"{fn}({a[0].name}, axis={axis})"
+            if axis == 1 and not self.same_width(a[0].axes[1], self.canon_row):
+                value = f"gl.convert_layout({value}, R_{self.canon_row})"
+            return value
+        if k == "load":
+            ptr = f"{at['buffer']}_ptr + {a[0].name} + {a[1].name}"
+            if len(a) > 2:
+                other = "0.0" if out.dtype in ("f32", "f16", "bf16") else "0"
+                return f"gl.load({ptr}, mask={self.ref(a[2], out.axes)}, other={other})"
+            return f"gl.load({ptr})"
+        if k == "full":
+            return f"gl.full({self.shape_of(out.axes)}, {_literal(at['value'])}, {GL_DTYPES[out.dtype]}, {self.layout(out.axes)})"
+        raise ValueError(f"unknown tile op {k!r}")
+
+    def dot(self, op: Op, indent: str) -> list[str]:
+        a, b = op.args[0], op.args[1]
+        kax = op.attrs["k"]
+        if a.name in self.smem:
+            lhs = self.smem[a.name] if a.axes == (self.shape.row, kax) else f"{self.smem[a.name]}.permute((1, 0))"
+        else:
+            lhs = f"gl.convert_layout({a.name}, A_{op.out.name})"
+        rhs = self.smem[b.name]
+        if b.axes != (kax, op.out.axes[1]):
+            rhs = f"{rhs}.permute((1, 0))"
+        if len(op.args) > 2:
+            acc, use = op.args[2].name, "True"
+        else:
+            acc, use = f"ZERO_{op.out.axes[1]}", "False"
+        name = op.out.name
+        return [f"{indent}{name} = warpgroup_mma({lhs}, {rhs}, {acc}, use_acc={use}, is_async=True)",
+                f"{indent}{name} = warpgroup_mma_wait(0, deps=({name}, ))"]
+
+    # --- partitions -----------------------------------------------------------------
+    def params(self) -> list[str]:
+        return [a.name for a in self.kernel.args] + list(self.kernel.constexprs)
+
+    def signature(self) -> list[str]:
+        return [a.name for a in self.kernel.args] + [f"{c}: gl.constexpr" for c in self.kernel.constexprs]
+
+    def shared_names(self) -> list[str]:
+        names = [f"rowbuf_{ld.out.name}" for ld in self.shape.row_loads]
+        names += [f"ring_{d}" for d in self.shape.rings] + ["row_bar"]
+        names += [f"ready_{d}" for d in self.shape.rings] + ["free_bar"]
+        return names
+
+    def locals(self) -> list[str]:
+        return ["HALF_R: gl.constexpr = BLOCK_R // 2", f"NUM_BUF: gl.constexpr = {self.num_buffers}"]
+
+    def consumer(self) -> list[str]:
+        k = self.kernel
+        out = ["", "", "@gluon.jit",
+               f"def {k.name}_consumer({', '.join(self.signature() + self.shared_names())}, HALF_INDEX: gl.constexpr):",
+               "    # half HALF_INDEX of the row tile: the whole tile program on 64 rows"]
+        out.extend(f"    {line}" for line in self.locals() + self.layout_defs())
+        for x in sorted({op.out.axes[1] for op in self.shape.defs.values() if op.kind == "dot" and len(op.args) == 2}):
+            out.append(f"    ZERO_{x} = gl.zeros([HALF_R, {self.block(x)}], gl.float32, L_{x})  # use_acc=False ignores it")
+        for ld in self.shape.row_loads:
+            self.smem[ld.out.name] = f"rowbuf_{ld.out.name}.index(HALF_INDEX)"
+        out.append("    it = 0  # ring position, shared with the producer")
+        waited_rows = False
+        for st in k.body:
+            if isinstance(st, Op) and st.kind in ("make_desc", "desc_load"):
+                continue
+            if isinstance(st, Loop):
+                if not waited_rows:
+                    out.append("    mbarrier.wait(row_bar, 0)")
+                    waited_rows = True
+                out.extend(self.consumer_loop(st))
+            else:
+                out.extend(self.stmt(st, "    "))
+        return out
+
+    def consumer_loop(self, loop: Loop) -> list[str]:
+        lines = []
+        if loop.comment:
+            lines.append(f"    # {loop.comment}")
+        lines.append(f"    for {loop.var.name} in range({loop.start.name}, {loop.stop.name}, {loop.step}):")
+        lines.append("        slot = it % NUM_BUF")
+        lines.append("        phase = (it // NUM_BUF) & 1")
+        for st in loop.body:
+            if isinstance(st, Op) and st.kind == "desc_load":
+                desc = st.args[0].name
+                lines.append(f"        mbarrier.wait(ready_{desc}.index(slot), phase)")
+                self.smem[st.out.name] = f"ring_{desc}.index(slot)"
+                continue
+            lines.extend(self.stmt(st, "        "))
+        lines.append("        # every wgmma reading this slot has been waited for: hand it back")
+        lines.append("        mbarrier.arrive(free_bar.index(slot), count=1)")
+        lines.append("        it += 1")
+        return lines
+
+    def stmt(self, st: Stmt, indent: str) -> list[str]:
+        if isinstance(st, Op):
+            if st.kind == "dot":
+                return self.dot(st, indent)
+            return [f"{indent}{st.out.name} = {self.expr(st)}"]
+        if isinstance(st, Assign):
+            return [f"{indent}{st.target.name} = {st.value.name}"]
+        if isinstance(st, Store):
+            mask = f", mask={self.ref(st.mask, st.offsets.axes)}" if st.mask is not None else ""
+            return [f"{indent}gl.store({st.buffer}_ptr + {st.base.name} + {st.offsets.name}, {st.value.name}{mask})"]
+        raise ValueError(f"unexpected statement {type(st).__name__}")
+
+    def descriptor(self, op: Op, outer_block: str) -> str:
+        at = op.attrs
+        base, size, stride = op.args
+        inner = at["block"][1]
+        return (f"tma.make_tensor_descriptor({at['buffer']}_ptr + {base.name}, shape=[{size.name}, {at['inner_size']}], "
+                f"strides=[{stride.name}, 1], block_shape=[{outer_block}, {inner}], layout=SH_{op.out.name})")
+
+    def shared_layouts(self) -> list[str]:
+        lines = []
+        descs = [ld.args[0].name for ld in self.shape.row_loads] + self.shape.rings
+        for d in descs:
+            op = self.shape.defs[d]
+            dtype = self.kernel_dtype(d)
+            inner = self.kernel.constexprs[op.attrs["block"][1]]
+            swizzle = min(128, inner * _ELEMENT_BYTES[dtype])
+            lines.append(f"SH_{d}: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width={swizzle}, "
+                         f"element_bitwidth={8 * _ELEMENT_BYTES[dtype]}, rank=2)")
+        return lines
+
+    def kernel_dtype(self, desc: str) -> str:
+        for op in self.shape.defs.values():
+            if op.kind == "desc_load" and op.args[0].name == desc:
+                return op.out.dtype
+        raise KeyError(desc)
+
+    def tile_bytes(self, desc: str, outer_block: str) -> str:
+        op = self.shape.defs[desc]
+        return f"{outer_block} * {op.attrs['block'][1]} * {_ELEMENT_BYTES[self.kernel_dtype(desc)]}"
+
+    def producer(self) -> list[str]:
+        k = self.kernel
+        out = ["", "", "@gluon.jit",
+               f"def {k.name}_producer({', '.join(self.signature() + self.shared_names())}):",
+               "    # one warp: copies of the row-tile operands once, then of every loop tile into the ring"]
+        out.extend(f"    {line}" for line in self.locals() + self.shared_layouts())
+        for op in self.shape.loader_ops:
+            out.extend(self.stmt(op, "    "))
+        for ld in self.shape.row_loads:
+            out.append(f"    {ld.args[0].name} = {self.descriptor(self.shape.defs[ld.args[0].name], 'HALF_R')}")
+        for d in self.shape.rings:
+            out.append(f"    {d} = {self.descriptor(self.shape.defs[d], self.kernel.block_sizes[self.shape.col])}")
+        if self.shape.row_loads:
+            total = " + ".join(f"2 * {self.tile_bytes(ld.args[0].name, 'HALF_R')}" for ld in self.shape.row_loads)
+            out.append(f"    mbarrier.expect(row_bar, {total})")
+            for ld in self.shape.row_loads:
+                for half in (0, 1):
+                    out.append(f"    tma.async_copy_global_to_shared({ld.args[0].name}, [{ld.args[1].name} + {half} * HALF_R, 0], "
+                               f"row_bar, rowbuf_{ld.out.name}.index({half}))")
+        else:
+            out.append("    mbarrier.arrive(row_bar, count=1)")
+        out.append("    it = 0")
+        col_block = self.kernel.block_sizes[self.shape.col]
+        for st in k.body:
+            if not isinstance(st, Loop):
+                continue
+            out.append(f"    for {st.var.name} in range({st.start.name}, {st.stop.name}, {st.step}):")
+            out.append("        slot = it % NUM_BUF")
+            out.append("        # a fresh barrier passes a wait for parity 1: the first round finds every slot free")
+            out.append("        mbarrier.wait(free_bar.index(slot), ((it // NUM_BUF) & 1) ^ 1)")
+            for d in self.shape.rings:
+                out.append(f"        mbarrier.expect(ready_{d}.index(slot), {self.tile_bytes(d, col_block)})")
+                out.append(f"        tma.async_copy_global_to_shared({d}, [{st.var.name}, 0], ready_{d}.index(slot), "
+                           f"ring_{d}.index(slot))")
+            out.append("        it += 1")
+        return out
+
+    def entry(self) -> list[str]:
+        k = self.kernel
+        out = ["", "", "@gluon.jit", f"def {k.name}(", *[f"    {p}," for p in self.signature()], "):"]
+        out.extend(f"    # {n}" for n in k.notes)
+        out.append("    # warp-specialised: a producer warp fills a ring of shared-memory tiles, two consumer")
+        out.append("    # warpgroups (64 rows each) run the tile program and hand the slots back")
+        out.extend(f"    {line}" for line in self.locals() + self.shared_layouts())
+        col_block = k.block_sizes[self.shape.col]
+        for ld in self.shape.row_loads:
+            d = ld.args[0].name
+            inner = self.shape.defs[d].attrs["block"][1]
+            out.append(f"    rowbuf_{ld.out.name} = gl.allocate_shared_memory({GL_DTYPES[ld.out.dtype]}, [2, HALF_R, {inner}], SH_{d})")
+        for d in self.shape.rings:
+            inner = self.shape.defs[d].attrs["block"][1]
+            out.append(f"    ring_{d} = gl.allocate_shared_memory({GL_DTYPES[self.kernel_dtype(d)]}, [NUM_BUF, {col_block}, {inner}], SH_{d})")
+        out.append("    row_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())")
+        out.append("    mbarrier.init(row_bar, count=1)")
+        for d in self.shape.rings:
+            out.append(f"    ready_{d} = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())")
+        out.append("    free_bar = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())")
+        out.append("    for i in gl.static_range(NUM_BUF):")
+        for d in self.shape.rings:
+            out.append(f"        mbarrier.init(ready_{d}.index(i), count=1)")
+        out.append("        mbarrier.init(free_bar.index(i), count=2)  # both consumers release each slot")
+        args = ", ".join(self.params() + self.shared_names())
+        out.append("    gl.warp_specialize([")
+        out.append(f"        ({k.name}_consumer, ({args}, 0)),")
+        out.append(f"        ({k.name}_consumer, ({args}, 1)),")
+        out.append(f"        ({k.name}_producer, ({args})),")
+        out.append(f"    ], [4, 1], [{CONSUMER_REGISTERS}, 24])")
+        return out
+
+    def source(self) -> str:
+        lines = [_PREAMBLE, *self.consumer(), *self.producer(), *self.entry()]
+        return "\n".join(lines) + "\n"
+
+
+def generate_gluon(kernel: TileKernel, num_buffers: int = 2) -> str:
+    """Gluon source of `kernel` as a warp-specialised Hopper program (launch it with num_warps=4).
+
+    Raises ValueError naming the reason when `gluon_support(kernel)` is not None.
+    """
+    try:
+        shape = _analyse(kernel)
+    except _Unsupported as exc:
+        raise ValueError(f"gluon code generation: {exc}") from None
+    return _GluonPrinter(kernel, shape, num_buffers).source()
