@@ -258,11 +258,14 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
+DEFAULT_BACKEND = "triton"  # "auto" once the Gluon kernels are checked on the GPU
+
+
 def _backend_for(tile: TileKernel, device: torch.device, interpreter: bool) -> tuple[str, str]:
-    """("gluon" or "triton", why) for a main kernel. NEPTUNE_FUSION_BACKEND: "auto" (default: Gluon
-    where `gluon_support` accepts the tile program on a Hopper GPU), "triton", or "gluon" (required:
-    a tile program it cannot print raises)."""
-    setting = os.environ.get("NEPTUNE_FUSION_BACKEND", "auto")
+    """("gluon" or "triton", why) for a main kernel. NEPTUNE_FUSION_BACKEND: "auto" (Gluon where
+    `gluon_support` accepts the tile program on a Hopper GPU), "triton", or "gluon" (required: a tile
+    program it cannot print raises)."""
+    setting = os.environ.get("NEPTUNE_FUSION_BACKEND", DEFAULT_BACKEND)
     if setting not in ("auto", "triton", "gluon"):
         raise ValueError(f"NEPTUNE_FUSION_BACKEND must be auto, triton or gluon, got {setting!r}")
     if setting == "triton":
@@ -394,7 +397,7 @@ class Compiled:
         key = (program.fingerprint(), tuple(sorted(dtypes.items())), tuple(sorted(full_sizes.items())), plan,
                layout, interpreter, str(device), tma, os.environ.get("NEPTUNE_FUSION_WS", "0"), positive,
                fused_combine, combine_rows, prefetch_index, grid_group, dependent_launch,
-               os.environ.get("NEPTUNE_FUSION_BACKEND", "auto"))
+               os.environ.get("NEPTUNE_FUSION_BACKEND", DEFAULT_BACKEND))
         if key in self._cache:
             return self._cache[key]
         steps = list(_fuse_cached(program, plan.splits))
