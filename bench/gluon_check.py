@@ -114,6 +114,7 @@ def timings() -> list[dict]:
 
 
 def main() -> None:
+    os.environ["NEPTUNE_FUSION_BACKEND"] = "auto"
     warm_up_gpu()
     checked = [check(*c) for c in cases()]
     times = timings()
