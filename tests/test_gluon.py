@@ -16,19 +16,26 @@ import torch
 
 import neptune_fusion as nf
 from neptune_fusion.codegen.gluon_source import generate_gluon, gluon_support
-from neptune_fusion.runtime.compiled import Compiled, _backend_for
+from neptune_fusion.runtime import compiled
+from neptune_fusion.runtime.compiled import Compiled, _backend_for, _gluon_precondition
 from neptune_fusion.tile.ir import TileKernel
 
 TORCH_POINTER = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int64: "*i64",
                  torch.int32: "*i32", torch.bool: "*i1"}
 
 
-def _tile_for(monkeypatch, q, k, v, score_mod=None, mask_mod=None, schedule=None, **kw) -> tuple[TileKernel, dict]:
-    """The main tile kernel the runtime lowers for these inputs, with tensor-descriptor loads."""
+def _tile_for(monkeypatch, q, k, v, score_mod=None, mask_mod=None, schedule=None, gluon=False,
+              **kw) -> tuple[TileKernel, dict]:
+    """The main tile kernel the runtime lowers for these inputs, with tensor-descriptor loads;
+    `gluon`: as it lowers it for the Gluon backend on a Hopper GPU (which it must then choose)."""
     monkeypatch.setenv("NEPTUNE_FUSION_TMA", "force")
+    if gluon:
+        monkeypatch.setattr(compiled, "_gluon_precondition", lambda device, interpreter: None)
     prog = nf.attention_program(q, k, v, score_mod=score_mod, mask_mod=mask_mod, **kw)
     named = nf.attention_inputs(q, k, v, score_mod=score_mod, mask_mod=mask_mod, **kw)
     exe = Compiled(lambda: None, schedule or nf.flash(128, 128, 8, 3)).executable_for(prog, named)
+    if gluon:
+        assert exe.main.backend == "gluon", exe.main.tile.notes
     return exe.main.tile, named
 
 
@@ -64,7 +71,10 @@ def _compile_for_hopper(tile: TileKernel, named: dict, tmp_path) -> dict:
     for arg in tile.args:
         kind, _, buffer = arg.source.partition(":")
         if arg.kind == "pointer":
-            signature[arg.name] = TORCH_POINTER[named[buffer].dtype] if kind == "input" else "*fp16"
+            if kind == "input":  # block maps are int32 tensors the runtime builds
+                signature[arg.name] = TORCH_POINTER[named[buffer].dtype] if buffer in named else "*i32"
+            else:
+                signature[arg.name] = "*fp16"
             aligned.append(arg.name)
         else:
             signature[arg.name] = "fp32" if arg.kind == "float" else "i32"
@@ -91,7 +101,8 @@ def softcap(score, b, h, q_idx, kv_idx):
     return 50 * torch.tanh(score / 50)
 
 
-@pytest.mark.parametrize("case", ["global", "alibi_causal", "softcap_window_gqa", "prefix_lse", "head_dim_64"])
+@pytest.mark.parametrize("case", ["global", "alibi_causal", "softcap_window_gqa", "prefix_lse", "head_dim_64",
+                                  "document_block_map"])
 def test_gluon_source_compiles_for_hopper(monkeypatch, tmp_path, case):
     """Attention variants (masks as loop bounds, gathered biases, tanh, GQA head maps, a second
     output) print as warp-specialised Gluon that compiles to wgmma for sm_90."""
@@ -111,11 +122,14 @@ def test_gluon_source_compiles_for_hopper(monkeypatch, tmp_path, case):
         q, k, v = _qkv(sq=192, sk=192)
         args = {"mask_mod": lambda b, h, qi, ki: (ki < 40) | (qi >= ki)}
         kw["return_lse"] = True
-    else:
+    elif case == "head_dim_64":
         q, k, v = _qkv(sq=300, sk=200, d=64)
         args = {"mask_mod": causal}
-    tile, named = _tile_for(monkeypatch, q, k, v, **args, **kw)
-    assert gluon_support(tile) is None
+    else:
+        q, k, v = _qkv()
+        doc = torch.arange(256) // 70
+        args = {"mask_mod": lambda b, h, qi, ki: (doc[qi] == doc[ki]) & (qi >= ki)}
+    tile, named = _tile_for(monkeypatch, q, k, v, **args, **kw, gluon=True)
     kernel = _compile_for_hopper(tile, named, tmp_path)
     assert "ttg.warp_specialize" in kernel["ttgir"]
     assert "wgmma.mma_async" in kernel["ptx"]
@@ -124,8 +138,8 @@ def test_gluon_source_compiles_for_hopper(monkeypatch, tmp_path, case):
 
 
 def test_gluon_declines_what_it_cannot_print(monkeypatch):
-    """Split-K, block-mapped masks, software-pipelined loops and fp32 dots keep the Triton backend,
-    with a reason."""
+    """Split-K, software-pipelined loops (the Triton backend's block-map index prefetching included)
+    and fp32 dots keep the Triton backend, with a reason."""
     q, k, v = _qkv()
     split, _ = _tile_for(monkeypatch, q[:, :, :1], k, v, schedule=nf.split_k(splits=2))
     assert "split-K" in gluon_support(split)
@@ -142,11 +156,13 @@ def test_gluon_declines_what_it_cannot_print(monkeypatch):
 
 def test_interpreter_always_gets_triton_kernels(monkeypatch):
     q, k, v = _qkv(sq=128, sk=128)
+    reason = _gluon_precondition(torch.device("cpu"), interpreter=True)
+    assert "interpreter" in reason and _backend_for(reason)[0] == "triton"
     tile, _ = _tile_for(monkeypatch, q, k, v)
-    assert _backend_for(tile, torch.device("cpu"), interpreter=True)[0] == "triton"
+    assert "backend: Triton (not Gluon: Triton's interpreter" in tile.notes[-1]
     monkeypatch.setenv("NEPTUNE_FUSION_BACKEND", "gluon")
     with pytest.raises(ValueError, match="interpreter"):
-        _backend_for(tile, torch.device("cpu"), interpreter=True)
+        _backend_for(_gluon_precondition(torch.device("cpu"), interpreter=True))
     monkeypatch.setenv("NEPTUNE_FUSION_BACKEND", "cuda")
     with pytest.raises(ValueError, match="NEPTUNE_FUSION_BACKEND"):
-        _backend_for(tile, torch.device("cpu"), interpreter=True)
+        _gluon_precondition(torch.device("cpu"), interpreter=True)

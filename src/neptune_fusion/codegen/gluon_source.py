@@ -79,6 +79,7 @@ class _Shape:
     row_loads: list[Op]  # descriptor loads of row-tile operands (before the loops)
     rings: list[str]  # descriptors read inside every loop, in the order each body reads them
     loader_ops: list[Op]  # scalar ops the producer recomputes (loop bounds, descriptor arguments)
+    coordinates: dict[str, list[Op]]  # loop variable -> the scalar ops giving its tiles' coordinates
     pairs: list[str] = field(default_factory=list)  # X of every (row, X) register layout
 
 
@@ -144,6 +145,7 @@ def _analyse(kernel: TileKernel) -> _Shape:
         if any(op.kind != "dot" or i != 0 for op, i in uses.get(ld.out.name, [])):
             raise _Unsupported(f"{ld.out.name}: a row tile from shared memory can only feed dots")
     rings: list[str] | None = None
+    coordinates: dict[str, list[Op]] = {}
     for loop in loops:
         loads = [st for st in loop.body if isinstance(st, Op) and st.kind == "desc_load"]
         names = [ld.args[0].name for ld in loads]
@@ -154,10 +156,10 @@ def _analyse(kernel: TileKernel) -> _Shape:
         for ld in loads:
             if ld.out.axes[0] != col or ld.out.dtype not in _ELEMENT_BYTES:
                 raise _Unsupported(f"{ld.out.name}: loop tiles must be 16-bit (key, x) tiles")
-            if ld.args[1].name != loop.var.name:
-                raise _Unsupported(f"{ld.out.name}: a loop tile must start at the loop variable")
             if any(op.kind != "dot" or i != 1 for op, i in uses.get(ld.out.name, [])):
                 raise _Unsupported(f"{ld.out.name}: a loop tile from shared memory can only feed dots as their B")
+        coordinates[loop.var.name] = _scalar_closure([ld.args[1].name for ld in loads], loop.body,
+                                                     "a loop tile's coordinate")
     if not rings:
         raise _Unsupported("the loop reads no tile through a tensor descriptor")
     pairs: list[str] = []
@@ -180,23 +182,31 @@ def _analyse(kernel: TileKernel) -> _Shape:
         n = kernel.constexprs[kernel.block_sizes[x]]
         if n > 256 or n % 16:
             raise _Unsupported(f"axis {x}: a (rows, {x}) register tile needs a block of at most 256, a multiple of 16")
-    # what the producer recomputes: loop bounds and descriptor arguments, from kernel arguments only
-    needed: set[str] = set()
+    # what the producer recomputes: loop bounds, descriptor arguments and tile coordinates (scalar
+    # reads of a block map included)
     todo = [v.name for loop in loops for v in (loop.start, loop.stop)]
     for name in rings + [ld.args[0].name for ld in row_loads]:
         todo.extend(a.name for a in defs[name].args)
     todo.extend(ld.args[1].name for ld in row_loads)
+    todo.extend(a.name for ops in coordinates.values() for op in ops for a in op.args)
+    loader_ops = _scalar_closure(todo, kernel.body, "a loop bound or descriptor argument")
+    return _Shape(row, col, defs, row_loads, rings, loader_ops, coordinates, pairs)
+
+
+def _scalar_closure(names: list[str], stmts: list[Stmt], what: str) -> list[Op]:
+    """The ops among `stmts` (in their order) that the scalar values `names` are computed from."""
+    local = {st.out.name: st for st in stmts if isinstance(st, Op)}
+    needed: set[str] = set()
+    todo = list(names)
     while todo:
         name = todo.pop()
-        if name in needed or name not in defs:
+        if name in needed or name not in local:
             continue
-        op = defs[name]
-        if op.out.axes or op.kind == "load":
-            raise _Unsupported(f"{name}: loop bounds or tile coordinates that depend on loaded data")
+        if local[name].out.axes:
+            raise _Unsupported(f"{name}: {what} computed from a tile")
         needed.add(name)
-        todo.extend(a.name for a in op.args)
-    loader_ops = [st for st in kernel.body if isinstance(st, Op) and st.out.name in needed]
-    return _Shape(row, col, defs, row_loads, rings, loader_ops, pairs)
+        todo.extend(a.name for a in local[name].args)
+    return [op for name, op in local.items() if name in needed]
 
 
 class _GluonPrinter:
@@ -450,10 +460,13 @@ class _GluonPrinter:
             out.append("        slot = it % NUM_BUF")
             out.append("        # a fresh barrier passes a wait for parity 1: the first round finds every slot free")
             out.append("        mbarrier.wait(free_bar.index(slot), ((it // NUM_BUF) & 1) ^ 1)")
+            for op in self.shape.coordinates[st.var.name]:
+                out.extend(self.stmt(op, "        "))
+            loads = {ld.args[0].name: ld for ld in st.body if isinstance(ld, Op) and ld.kind == "desc_load"}
             for d in self.shape.rings:
                 out.append(f"        mbarrier.expect(ready_{d}.index(slot), {self.tile_bytes(d, col_block)})")
-                out.append(f"        tma.async_copy_global_to_shared({d}, [{st.var.name}, 0], ready_{d}.index(slot), "
-                           f"ring_{d}.index(slot))")
+                out.append(f"        tma.async_copy_global_to_shared({d}, [{loads[d].args[1].name}, 0], "
+                           f"ready_{d}.index(slot), ring_{d}.index(slot))")
             out.append("        it += 1")
         return out
 

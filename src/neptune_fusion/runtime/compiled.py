@@ -261,22 +261,30 @@ def _num_sms(device: torch.device) -> int:
 DEFAULT_BACKEND = "auto"  # checked on the H200: bench/results/run30/gluon_check.json
 
 
-def _backend_for(tile: TileKernel, device: torch.device, interpreter: bool) -> tuple[str, str]:
-    """("gluon" or "triton", why) for a main kernel. NEPTUNE_FUSION_BACKEND: "auto" (Gluon where
-    `gluon_support` accepts the tile program on a Hopper GPU), "triton", or "gluon" (required: a tile
-    program it cannot print raises)."""
+def _backend_setting() -> str:
     setting = os.environ.get("NEPTUNE_FUSION_BACKEND", DEFAULT_BACKEND)
     if setting not in ("auto", "triton", "gluon"):
         raise ValueError(f"NEPTUNE_FUSION_BACKEND must be auto, triton or gluon, got {setting!r}")
-    if setting == "triton":
-        return "triton", "NEPTUNE_FUSION_BACKEND=triton"
+    return setting
+
+
+def _gluon_precondition(device: torch.device, interpreter: bool) -> str | None:
+    """Why no Gluon kernel can run here at all (None: it can, for tile programs it accepts)."""
+    if _backend_setting() == "triton":
+        return "NEPTUNE_FUSION_BACKEND=triton"
     if interpreter:
-        reason = "Triton's interpreter runs Triton kernels only"
-    elif device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
-        reason = "the warp-specialised Gluon kernels are written for Hopper (compute capability 9.x)"
-    else:
-        reason = gluon_support(tile) or ""
-    if not reason:
+        return "Triton's interpreter runs Triton kernels only"
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
+        return "the warp-specialised Gluon kernels are written for Hopper (compute capability 9.x)"
+    return None
+
+
+def _backend_for(reason: str | None) -> tuple[str, str]:
+    """("gluon" or "triton", why) for a main kernel, given why Gluon cannot print it (None: it can).
+    NEPTUNE_FUSION_BACKEND: "auto" (Gluon where it can), "triton", or "gluon" (required: raises
+    where it cannot)."""
+    setting = _backend_setting()
+    if reason is None:
         return "gluon", "warp-specialised (Gluon): a producer warp and two consumer warpgroups"
     if setting == "gluon":
         raise ValueError(f"NEPTUNE_FUSION_BACKEND=gluon, but {reason}")
@@ -369,7 +377,7 @@ class Compiled:
                           full_sizes=full_sizes, dtype=main_dtype, num_sms=_num_sms(device), interpreter=interpreter,
                           block_mapped=use_block_map)
         _check_offsets(fused, roles, args)
-        tma = _tma_buffers(program, args, device, interpreter)
+        tma = all_tma = _tma_buffers(program, args, device, interpreter)
         if use_block_map and os.environ.get("NEPTUNE_FUSION_BLOCKMAP_TMA", "0") != "1":
             # tiles at run-time coordinates (from the block map) load faster through pointers than
             # through tensor descriptors (document mask: 238 vs 254 us at 4k, 2348 vs 2423 us at 16k;
@@ -462,23 +470,35 @@ class Compiled:
                 tile.grid_dependency = "primary"
             return tile
 
-        tile = lowered()
-        while not interpreter and shared_memory_estimate(tile) > SHARED_MEMORY_BUDGET and (
-                config.num_stages > 1 or config.block_col > 16):
-            # too many pipelined tiles for shared memory: fewer stages first, then narrower tiles
-            if config.num_stages > 1:
-                config.num_stages -= 1
-            else:
-                config.block_col //= 2
-            config.notes = []
-            tile = lowered()
-        backend, why = _backend_for(tile, device, interpreter)
-        tile.notes.append(f"backend: {why}")
-        if backend == "gluon":
-            source = generate_gluon(tile)
-            # Gluon's default partition is one warpgroup; the others are declared by the kernel itself
-            tile = replace(tile, num_warps=4)
+        # the Gluon backend reads every tile it can through descriptors (its producer warp issues the
+        # copies), block-mapped ones too, and needs no software-pipelining rewrites of the loop
+        gluon_tile = None
+        if plan.splits > 1 or plan.prefetch_dot:
+            reason = "split-K and software-pipelined plans run through Triton"
+            _backend_setting()  # an invalid setting is an error whichever backend serves this plan
         else:
+            reason = _gluon_precondition(device, interpreter)
+        if reason is None:
+            gluon_tile = lower(fused, replace(config, tma_buffers=all_tma, notes=[]), name)
+            reason = gluon_support(gluon_tile)
+        backend, why = _backend_for(reason)
+        if gluon_tile is not None and backend == "gluon":
+            gluon_tile.notes.append(f"backend: {why}")
+            source = generate_gluon(gluon_tile)
+            # Gluon's default partition is one warpgroup; the others are declared by the kernel itself
+            tile = replace(gluon_tile, num_warps=4)
+        else:
+            tile = lowered()
+            while not interpreter and shared_memory_estimate(tile) > SHARED_MEMORY_BUDGET and (
+                    config.num_stages > 1 or config.block_col > 16):
+                # too many pipelined tiles for shared memory: fewer stages first, then narrower tiles
+                if config.num_stages > 1:
+                    config.num_stages -= 1
+                else:
+                    config.block_col //= 2
+                config.notes = []
+                tile = lowered()
+            tile.notes.append(f"backend: {why}")
             source = generate(tile, target, [ctile] if config.fused_combine is not None else None)
         main = KernelLaunch(tile, source, _load_kernel(source, name), fused, backend)
         exe = Executable(steps, plan, main, combine, combine_steps, masks if use_block_map else None, ctile)
