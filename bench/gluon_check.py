@@ -54,6 +54,11 @@ def cases():
     yield "sink_window", dict(hq=4, hkv=4, sq=1024, sk=1024), None, \
         lambda b, h, qi, ki: (ki < 4) | ((qi >= ki) & (qi - ki < 256))
     yield "batch_lengths_blockmap", dict(b=2, hq=4, hkv=4, sq=512, sk=700), None, lambda b, h, qi, ki: ki < lengths[b]
+    doc = torch.repeat_interleave(torch.arange(12, device=dev), 100)[:1100]
+    yield "document_blockmap", dict(hq=4, hkv=4, sq=1100, sk=1100), None, \
+        lambda b, h, qi, ki: (doc[qi] == doc[ki]) & (qi >= ki)
+    yield "document_gqa_softcap", dict(hq=8, hkv=2, sq=1100, sk=1100), (lambda s, b, h, qi, ki: 20 * torch.tanh(s / 20)), \
+        lambda b, h, qi, ki: doc[qi] == doc[ki]
     yield "short_query", dict(hq=4, hkv=4, sq=40, sk=1000), None, None
 
 
@@ -114,13 +119,51 @@ def timings() -> list[dict]:
     return rows
 
 
+def document_timings() -> list[dict]:
+    """Document masks (block-mapped) at 4k / 16k: Gluon with 64- and 128-wide key tiles, Triton's
+    default, FlexAttention; each checked against fp32 on sampled rows first."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from bench.flex_ops import make_case
+    from bench.flex_ops import reference_rows as flex_reference
+
+    rows = []
+    for seq in (4096, 16384):
+        torch.manual_seed(0)
+        q, k, v, score_mod, mask_mod, gqa = make_case("pf_document", seq)
+        pick = torch.randperm(seq, device="cuda")[:128].sort().values
+        ref = flex_reference(q, k, v, score_mod, mask_mod, pick, 1 / math.sqrt(128))
+        flex = torch.compile(flex_attention, dynamic=False)
+        block_mask = create_block_mask(mask_mod, None, None, seq, seq, device="cuda")
+        row = {"seq": seq, "flex_us": bench(lambda: flex(q, k, v, block_mask=block_mask))}
+        for name, backend, schedule in (("gluon_k64", "auto", None), ("gluon_k128", "auto", nf.flash(128, 128)),
+                                        ("triton", "triton", None)):
+            os.environ["NEPTUNE_FUSION_BACKEND"] = backend
+            clear_cache()
+            def call(schedule=schedule):
+                return nf.attention(q, k, v, mask_mod=mask_mod, schedule=schedule)
+            err = rel_err(call()[:, :, pick], ref)
+            row[name] = {"us": bench(call), "rel_err": err}
+        os.environ["NEPTUNE_FUSION_BACKEND"] = "auto"
+        clear_cache()
+        print(f"pf_document {seq:6d} " + "  ".join(f"{n} {row[n]['us']:8.1f} us ({row['flex_us'] / row[n]['us']:.2f}x Flex,"
+                                                    f" err {row[n]['rel_err']:.1e})" for n in ("gluon_k64", "gluon_k128", "triton"))
+              + f"  flex {row['flex_us']:8.1f}", flush=True)
+        rows.append(row)
+    return rows
+
+
 def main() -> None:
+    import sys
+
     os.environ["NEPTUNE_FUSION_BACKEND"] = "auto"
     warm_up_gpu()
     checked = [check(*c) for c in cases()]
-    times = timings()
+    times = [] if "--no-timings" in sys.argv else timings()
+    documents = document_timings()
     print("all correct:", all(r["ok"] for r in checked))
-    print("wrote", write_results("gluon_check", {"environment": environment(), "cases": checked, "timings": times}))
+    print("wrote", write_results("gluon_check", {"environment": environment(), "cases": checked, "timings": times,
+                                                 "documents": documents}))
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ def _tile_for(monkeypatch, q, k, v, score_mod=None, mask_mod=None, schedule=None
     monkeypatch.setenv("NEPTUNE_FUSION_TMA", "force")
     if gluon:
         monkeypatch.setattr(compiled, "_gluon_precondition", lambda device, interpreter: None)
+        monkeypatch.setenv("NEPTUNE_FUSION_BACKEND", "gluon")
     prog = nf.attention_program(q, k, v, score_mod=score_mod, mask_mod=mask_mod, **kw)
     named = nf.attention_inputs(q, k, v, score_mod=score_mod, mask_mod=mask_mod, **kw)
     exe = Compiled(lambda: None, schedule or nf.flash(128, 128, 8, 3)).executable_for(prog, named)
@@ -152,6 +153,21 @@ def test_gluon_declines_what_it_cannot_print(monkeypatch):
     assert gluon_support(f32) is not None
     with pytest.raises(ValueError, match="gluon code generation"):
         generate_gluon(split)
+
+
+def test_short_block_mapped_loops_stay_on_triton(monkeypatch):
+    """Under the automatic choice, block-mapped loops over few keys keep the Triton kernel (measured
+    faster there), longer ones take Gluon with 128-wide key tiles unless the schedule fixes the width."""
+    monkeypatch.setenv("NEPTUNE_FUSION_TMA", "force")
+    monkeypatch.setattr(compiled, "_gluon_precondition", lambda device, interpreter: None)
+    for keys, schedule, backend, width in ((256, nf.flash(128), "triton", 32), (4352, nf.flash(128), "gluon", 128),
+                                           (4352, nf.flash(128, 64), "gluon", 64)):
+        q, k, v = _qkv(hq=1, hkv=1, sq=128, sk=keys, d=16)
+        doc = torch.arange(keys) // 300
+        mask = lambda b, h, qi, ki, doc=doc: doc[qi] == doc[ki]  # noqa: E731
+        prog = nf.attention_program(q, k, v, mask_mod=mask)
+        exe = Compiled(lambda: None, schedule).executable_for(prog, nf.attention_inputs(q, k, v, mask_mod=mask))
+        assert (exe.main.backend, exe.plan.block_col) == (backend, width), exe.main.tile.notes
 
 
 def test_interpreter_always_gets_triton_kernels(monkeypatch):

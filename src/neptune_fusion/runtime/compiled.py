@@ -258,6 +258,7 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
+GLUON_BLOCK_MAP_MIN_KEYS = 4096  # block-mapped loops go through Gluon only above this many keys
 DEFAULT_BACKEND = "auto"  # checked on the H200: bench/results/run30/gluon_check.json
 
 
@@ -376,6 +377,12 @@ class Compiled:
             plan = choose(self.schedule, rows=sizes[roles.row], cols=sizes[roles.col], batch=batch,
                           full_sizes=full_sizes, dtype=main_dtype, num_sms=_num_sms(device), interpreter=interpreter,
                           block_mapped=use_block_map)
+            explicit_width = isinstance(self.schedule, (Flash, SplitK)) and self.schedule.block_k is not None
+            long_map = use_block_map and sizes[roles.col] > GLUON_BLOCK_MAP_MIN_KEYS
+            if long_map and plan.splits == 1 and not explicit_width and _gluon_precondition(device, interpreter) is None:
+                # block-mapped loops through Gluon are fastest with 128-wide key tiles (document mask
+                # at 16k: 1868 us vs 2071 with 64; bench/results/run31/gluon_check.json)
+                plan = replace(plan, block_col=128)
         _check_offsets(fused, roles, args)
         tma = all_tma = _tma_buffers(program, args, device, interpreter)
         if use_block_map and os.environ.get("NEPTUNE_FUSION_BLOCKMAP_TMA", "0") != "1":
@@ -476,6 +483,10 @@ class Compiled:
         if plan.splits > 1 or plan.prefetch_dot:
             reason = "split-K and software-pipelined plans run through Triton"
             _backend_setting()  # an invalid setting is an error whichever backend serves this plan
+        elif use_block_map and sizes[roles.col] <= GLUON_BLOCK_MAP_MIN_KEYS and _backend_setting() == "auto":
+            # short listed loops: Triton's kernel measured faster (document mask at 4k: 168 us vs 175;
+            # bench/results/run31/gluon_check.json)
+            reason = f"block-mapped loops over at most {GLUON_BLOCK_MAP_MIN_KEYS} keys measured faster through Triton"
         else:
             reason = _gluon_precondition(device, interpreter)
         if reason is None:
