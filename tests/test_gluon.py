@@ -151,6 +151,9 @@ def test_gluon_declines_what_it_cannot_print(monkeypatch):
     assert "pipelined" in gluon_support(pipelined)
     f32, _ = _tile_for(monkeypatch, *(x.float() for x in (q, k, v)), schedule=nf.flash(128, 64, 8, 2))
     assert gluon_support(f32) is not None
+    wide_q, wide_k, wide_v = _qkv(sq=128, sk=128, d=256)
+    wide, _ = _tile_for(monkeypatch, wide_q, wide_k, wide_v, schedule=nf.flash(128, 128, 8, 2))
+    assert "shared memory" in gluon_support(wide)
     with pytest.raises(ValueError, match="gluon code generation"):
         generate_gluon(split)
 

@@ -10,9 +10,10 @@ key-axis tiles through tensor descriptors becomes three partitions of one progra
 
 No barrier spans the whole program inside the loop, so the two consumers drift out of phase and
 one's softmax runs while the other's matrix products use the tensor cores (the same loop through
-Triton measured 491 TF/s, this one 552, bench/results/run29/). Kernels of other shapes (split-K,
-block maps, second passes, loads the copy engine cannot do) stay with `triton_source`; a runtime
-asks `gluon_support` first.
+Triton measured 491 TF/s, this one 552, bench/results/run29/). Loops over run-time tile lists
+(block maps) work the same way: the producer reads the list itself. Kernels of other shapes (split-K,
+second passes, fp32 dots, loads the copy engine cannot do) stay with `triton_source`; a runtime asks
+`gluon_support` first.
 
 Example:
     >>> # if gluon_support(tile) is None: source = generate_gluon(tile)
@@ -26,6 +27,8 @@ from neptune_fusion.codegen.triton_source import TL_DTYPES, _literal
 from neptune_fusion.tile.ir import Assign, If, Loop, Op, Stmt, Store, TileKernel, TVal
 
 ROW_BLOCK = 128  # two consumer warpgroups of 64 rows each
+NUM_BUFFERS = 2  # ring slots (3 measured no faster, bench/results/run29/)
+SHARED_MEMORY_BYTES = 220 * 1024  # of Hopper's 227 KB per program, with room for the barriers
 CONSUMER_REGISTERS = 232  # per thread; the producer warp keeps 24 (setmaxnreg)
 GL_DTYPES = {k: v.replace("tl.", "gl.") for k, v in TL_DTYPES.items()}
 _ELEMENT_BYTES = {"f16": 2, "bf16": 2}
@@ -170,8 +173,10 @@ def _analyse(kernel: TileKernel) -> _Shape:
                 raise _Unsupported(f"{op.out.name}: wgmma here takes 16-bit operands")
             if defs[b.name].kind != "desc_load" or b.name in {ld.out.name for ld in row_loads}:
                 raise _Unsupported(f"{op.out.name}: the B operand must be a loop tile")
-            if defs.get(a.name) is not None and defs[a.name].kind != "desc_load" and a.axes[0] != row:
-                raise _Unsupported(f"{op.out.name}: the A operand must be a row tile")
+            in_loop = any(a.name == st.out.name for loop in loops for st in loop.body if isinstance(st, Op))
+            if a.name not in {ld.out.name for ld in row_loads} and not (in_loop and a.axes[0] == row):
+                raise _Unsupported(f"{op.out.name}: the A operand must be a row tile read through a descriptor "
+                                   "or a tile computed in the loop")
         if len(op.out.axes) == 2 and op.kind != "desc_load" and op.out.axes[1] not in pairs:
             pairs.append(op.out.axes[1])
         if len(op.out.axes) == 1 and op.out.axes[0] != row and op.out.axes[0] not in pairs:
@@ -182,6 +187,11 @@ def _analyse(kernel: TileKernel) -> _Shape:
         n = kernel.constexprs[kernel.block_sizes[x]]
         if n > 256 or n % 16:
             raise _Unsupported(f"axis {x}: a (rows, {x}) register tile needs a block of at most 256, a multiple of 16")
+    ring_bytes = sum(_tile_bytes(kernel, defs[d], kernel.block_sizes[col]) for d in rings)
+    row_bytes = sum(_tile_bytes(kernel, defs[ld.args[0].name], "BLOCK_R") for ld in row_loads)
+    if row_bytes + NUM_BUFFERS * ring_bytes > SHARED_MEMORY_BYTES:
+        raise _Unsupported(f"{NUM_BUFFERS} ring slots of {ring_bytes} bytes and {row_bytes} bytes of row tiles "
+                           f"exceed {SHARED_MEMORY_BYTES} bytes of shared memory")
     # what the producer recomputes: loop bounds, descriptor arguments and tile coordinates (scalar
     # reads of a block map included)
     todo = [v.name for loop in loops for v in (loop.start, loop.stop)]
@@ -191,6 +201,11 @@ def _analyse(kernel: TileKernel) -> _Shape:
     todo.extend(a.name for ops in coordinates.values() for op in ops for a in op.args)
     loader_ops = _scalar_closure(todo, kernel.body, "a loop bound or descriptor argument")
     return _Shape(row, col, defs, row_loads, rings, loader_ops, coordinates, pairs)
+
+
+def _tile_bytes(kernel: TileKernel, desc: Op, outer_block: str) -> int:
+    inner = kernel.constexprs[desc.attrs["block"][1]]
+    return kernel.constexprs[outer_block] * inner * 2  # 16-bit elements only
 
 
 def _scalar_closure(names: list[str], stmts: list[Stmt], what: str) -> list[Op]:
@@ -507,7 +522,7 @@ class _GluonPrinter:
         return "\n".join(lines) + "\n"
 
 
-def generate_gluon(kernel: TileKernel, num_buffers: int = 2) -> str:
+def generate_gluon(kernel: TileKernel, num_buffers: int = NUM_BUFFERS) -> str:
     """Gluon source of `kernel` as a warp-specialised Hopper program (launch it with num_warps=4).
 
     Raises ValueError naming the reason when `gluon_support(kernel)` is not None.
