@@ -23,7 +23,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from neptune_fusion.codegen.triton_source import TL_DTYPES, _literal
+from neptune_fusion.codegen.triton_source import _BINARY as _BINARY_TRITON
+from neptune_fusion.codegen.triton_source import _PREAMBLE as _PREAMBLE_TRITON
+from neptune_fusion.codegen.triton_source import _TANH_CUDA, TL_DTYPES, _literal
+from neptune_fusion.codegen.triton_source import _UNARY as _UNARY_TRITON
 from neptune_fusion.tile.ir import Assign, If, Loop, Op, Stmt, Store, TileKernel, TVal
 
 ROW_BLOCK = 128  # two consumer warpgroups of 64 rows each
@@ -33,43 +36,19 @@ CONSUMER_REGISTERS = 232  # per thread; the producer warp keeps 24 (setmaxnreg)
 GL_DTYPES = {k: v.replace("tl.", "gl.") for k, v in TL_DTYPES.items()}
 _ELEMENT_BYTES = {"f16": 2, "bf16": 2}
 
-_PREAMBLE = '''from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+def _to_gluon(text: str) -> str:
+    """Triton source fragments as Gluon ones: the same element-wise functions under `gl.`."""
+    return text.replace("tl.", "gl.").replace("@triton.jit", "@gluon.jit").replace("Triton's", "Gluon's")
 
 
-@gluon.jit
-def _floordiv(a, b):
-    # Python's floor division (Gluon's // truncates toward zero)
-    q = a // b
-    r = a % b
-    return gl.where((r != 0) & ((r < 0) != (b < 0)), q - 1, q)
-
-
-@gluon.jit
-def _mod(a, b):
-    # Python's modulo (the sign of the divisor)
-    r = a % b
-    return gl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
-
-
-@gluon.jit
-def _tanh(x):
-    return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True, pack=1)
-'''
-
-_UNARY = {
-    "exp2": "gl.exp2({})", "log": "gl.log({})", "log2": "gl.log2({})", "tanh": "_tanh({})",
-    "sigmoid": "(1.0 / (1.0 + gl.exp(-({}))))", "sqrt": "gl.sqrt({})", "rsqrt": "gl.rsqrt({})",
-    "abs": "gl.abs({})", "neg": "-{}", "not": "({} == 0)", "sin": "gl.sin({})", "cos": "gl.cos({})",
-    "recip": "(1.0 / {})", "exp": "gl.exp({})",
-}
-_BINARY = {
-    "add": "{} + {}", "sub": "{} - {}", "mul": "{} * {}", "div": "{} / {}",
-    "max": "gl.maximum({}, {})", "min": "gl.minimum({}, {})",
-    "lt": "{} < {}", "le": "{} <= {}", "gt": "{} > {}", "ge": "{} >= {}", "eq": "{} == {}", "ne": "{} != {}",
-    "and": "{} & {}", "or": "{} | {}", "floordiv": "_floordiv({}, {})", "mod": "_mod({}, {})",
-}
+_HELPERS = _PREAMBLE_TRITON.split("\n\n\n", 1)[1]  # _floordiv and _mod
+_PREAMBLE = ("from triton.experimental import gluon\n"
+             "from triton.experimental.gluon import language as gl\n"
+             "from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, "
+             "warpgroup_mma_wait\n\n\n" + _to_gluon(_HELPERS + _TANH_CUDA))
+_UNARY = {k: _to_gluon(v) for k, v in _UNARY_TRITON.items()}
+_UNARY["sigmoid"] = "(1.0 / (1.0 + gl.exp(-({}))))"  # Gluon has no sigmoid
+_BINARY = {k: _to_gluon(v) for k, v in _BINARY_TRITON.items()}
 
 
 @dataclass
