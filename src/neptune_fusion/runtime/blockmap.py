@@ -59,6 +59,14 @@ def _condition(program: Program, masks: MaskInfo) -> tuple[Expr, tuple[str, ...]
     return _CONDITIONS[key]
 
 
+def _tensor_key(t: torch.Tensor) -> tuple[Any, ...]:
+    """What a map built from `t` depends on: its memory, layout and version.
+
+    The address alone is not enough: a transposed view shares it (and its version).
+    """
+    return (t.data_ptr(), t.storage_offset(), t._version, tuple(t.shape), t.stride(), t.dtype, t.device)
+
+
 def block_map(program: Program, masks: MaskInfo, roles: AxisRoles, sizes: dict[str, int], args: dict[str, Any],
               block_row: int, block_col: int, static_key: Any = None) -> dict[str, torch.Tensor]:
     """Tile lists for the kernel: counts and indices of full and partial column tiles per row tile.
@@ -70,8 +78,9 @@ def block_map(program: Program, masks: MaskInfo, roles: AxisRoles, sizes: dict[s
     cond, reads, params = _condition(program, masks)
     if static_key is None:
         static_key = (program.fingerprint(), tuple(sorted(sizes.items())), block_row, block_col)
-    key = (static_key, tuple((args[n].data_ptr(), args[n]._version, args[n].shape) for n in reads),
-           tuple(args[p] for p in params))
+    tensors = tuple(args[n] for n in reads)
+    # the type too: 3 == 3.0 but `//` and `%` on them differ
+    key = (static_key, tuple(_tensor_key(t) for t in tensors), tuple((type(args[p]), args[p]) for p in params))
     if key in _CACHE:
         _CACHE.move_to_end(key)
         return _CACHE[key]
