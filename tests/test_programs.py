@@ -231,6 +231,33 @@ def test_a_max_that_has_seen_nothing_is_not_rescaled_into_nan(schedule):
 
 
 @nf.program
+def sum_after_a_max_of_masked_rows(x):
+    m = nf.where(nf.index(x, 0) >= 2, x, -nf.inf).max(axis=-1, keepdims=True)  # rows 0, 1: -inf
+    return nf.exp((x - m) * -1.0).sum(axis=-1), nf.exp(x - m).sum(axis=-1)  # 0 and inf there
+
+
+@nf.program
+def sum_after_a_max_of_masked_columns(x):
+    m = nf.where(nf.index(x, 1) >= 20, x, -nf.inf).max(axis=-1, keepdims=True)  # the first tile sees -inf only
+    return nf.exp(x - m).sum(axis=-1)
+
+
+@pytest.mark.parametrize("schedule", [None, nf.flash(block_q=16, block_k=16), nf.split_k(splits=4, block_k=16)])
+@pytest.mark.parametrize("program", [sum_after_a_max_of_masked_rows, sum_after_a_max_of_masked_columns])
+def test_sum_reading_a_max_that_saw_only_minus_inf_matches_the_reference(program, schedule):
+    """The sum reads x where the max saw -inf, so its terms computed with the stand-in 0 for the
+    running max count: they are repaired from 0 (a regression: they were kept as if computed with
+    the final max, and a max that ended at -inf was taken as 0)."""
+    x = randn(4, 64)
+    expected = nf.run_reference(program.trace(x), {"x": x})
+    out = nf.compile(program, schedule=schedule)(x)
+    for got, want in zip(out if isinstance(out, tuple) else (out,), expected if isinstance(expected, tuple) else (expected,)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    if program is sum_after_a_max_of_masked_rows:
+        assert out[0][:2].eq(0).all() and out[1][:2].isinf().all()
+
+
+@nf.program
 def max_attention_weighted_value(x, y):
     m = x.max(axis=-1, keepdims=True)
     e = nf.exp(x - m)

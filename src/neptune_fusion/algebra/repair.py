@@ -13,6 +13,7 @@ Example:
     >>> from neptune_fusion.ir.expr import Index, Load, Unary
     >>> g = Unary("exp", Load("s", (Index("j"),)) - Load("m", ()))
     >>> from neptune_fusion.ir.printer import format_expr
+from neptune_fusion.ir.program import Stage
     >>> format_expr(derive_repair("l", "sum", "j", g, ("m",)).h)
     't * exp(m.old - m.new)'
 """
@@ -38,6 +39,7 @@ from neptune_fusion.ir.expr import (
     walk,
 )
 from neptune_fusion.ir.printer import format_expr
+from neptune_fusion.ir.program import Stage
 
 
 @dataclass(frozen=True)
@@ -181,6 +183,22 @@ def contribution_vanishes(g: Expr, masked: Expr, value: float, identity: float, 
     if identity == 0:
         return bool(at == 0)
     return bool(at == (-inf if identity < 0 else inf))
+
+
+def terms_vanish_while_identity(member: Stage, producer: Stage, producers: tuple[str, ...]) -> bool:
+    """True when every term of `member` is its reducer's identity wherever the term of the max/min
+    `producer` is its identity, whatever the (finite) running values.
+
+    Then, while the producer's running value is still its identity, the member has seen only
+    identities too, so standing in any value for the producer there needs no repair later
+    (attention: exp(-inf - m) = 0 for every m). When it is false (`sum exp(x - max(where(c, x,
+    -inf)))` reads `x` where the max saw -inf), the terms computed with the stand-in count and must
+    be repaired from it.
+    """
+    assert isinstance(member.body, Reduce) and isinstance(producer.body, Reduce)
+    assert member.reduce_op is not None and producer.reduce_op is not None
+    return contribution_vanishes(member.body.body, producer.body.body, REDUCER_IDENTITY[producer.reduce_op],
+                                 REDUCER_IDENTITY[member.reduce_op], producers)
 
 
 def repair_finite_from_identity(h: Expr, producer: str, identity: float) -> bool:

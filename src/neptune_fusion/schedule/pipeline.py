@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from neptune_fusion.algebra.repair import repair_finite_from_identity
+from neptune_fusion.algebra.repair import repair_finite_from_identity, terms_vanish_while_identity
 from neptune_fusion.analysis.chains import chain_axis
 from neptune_fusion.ir.errors import FusionError
 from neptune_fusion.ir.expr import (
@@ -104,12 +104,14 @@ def combine_program(fused: Program) -> Program:
                 if isinstance(node, Running):
                     prod = loop.member(node.stage)
                     if node.which == "old":
-                        # a chunk whose running max/min never left its identity saw nothing: repair it
-                        # from the final value to itself (h(t, r, r) = t), never through inf * 0
+                        # A chunk whose running max/min never left its identity computed its
+                        # readers with the stand-in 0. Where their terms vanish there, it saw
+                        # nothing: repairing it from the identity gives 0 by itself (when h stays
+                        # finite there). Otherwise repair it from the stand-in it was computed with.
                         ident = REDUCER_IDENTITY[prod.reduce_op]
-                        if prod.reduce_op in ("max", "min") and not repair_finite_from_identity(
-                                repair, node.stage, ident):
-                            # stand in 0 for a chunk's value that never left the identity
+                        if prod.reduce_op in ("max", "min") and not (
+                                terms_vanish_while_identity(m, prod, loop.producers[m.name])
+                                and repair_finite_from_identity(repair, node.stage, ident)):
                             return Where(Binary("eq", part(node.stage), Const(ident)), Const(0.0), part(node.stage))
                         return part(node.stage)
                     return Load(node.stage, tuple(Index(a) for a in prod.axes))

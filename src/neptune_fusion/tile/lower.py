@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
-from neptune_fusion.algebra.repair import contribution_vanishes
+from neptune_fusion.algebra.repair import contribution_vanishes, terms_vanish_while_identity
 from neptune_fusion.analysis.masks import MaskInfo, analyze_masks
 from neptune_fusion.ir.errors import UnsupportedProgramError
 from neptune_fusion.ir.expr import (
@@ -188,6 +188,7 @@ class KernelBuilder:
         self.tile_start: dict[str, TVal] = {}
         self.variant_axes = {self.roles.col, BLOCK_MAP_TILE}  # indices that change inside a loop
         self.member_names = {m.name for m in self.loop.members}
+        self.vanishing: dict[tuple[str, str], bool] = {}  # (member, max/min producer) -> terms_vanish_while_identity
         self.loop_axes_of = {m.name: m.axes for m in self.loop.members}
         self.block = {self.roles.row: "BLOCK_R", self.roles.col: "BLOCK_C"}
         self.constexprs: dict[str, int] = {"BLOCK_R": config.block_row, "BLOCK_C": config.block_col}
@@ -776,17 +777,30 @@ class KernelBuilder:
         hi = self.op("where", (), "i32", (touch, self.bin("max", hi1, hi2), self.op("where", (), "i32", (longer_first, hi1, hi2))))
         return lo, hi
 
-    def _guarded_old(self, producer: str, old: TVal, new: TVal) -> TVal:
-        """A running max/min still at its identity has seen nothing, so neither has anything that
-        depends on it: repairing from `new` to `new` (h(t, r, r) = t) avoids inf * 0 in the repair."""
+    def _vanishes_while_identity(self, member: str, producer: str) -> bool:
+        """Whether `member`'s terms are its identity wherever the max/min `producer`'s are (cached)."""
+        key = (member, producer)
+        if key not in self.vanishing:
+            self.vanishing[key] = terms_vanish_while_identity(
+                self.loop.member(member), self.loop.member(producer), self.loop.producers[member])
+        return self.vanishing[key]
+
+    def _old_value(self, member: str, producer: str, old: TVal, new: TVal) -> TVal:
+        """The running value of `producer` that `member`'s accumulator was computed with: the
+        repair's r. A max/min still at its identity was stood in for by 0 (see `safe` in
+        `_emit_loop`). Where the member's terms vanish there anyway, the accumulator holds only
+        identities and is repaired from `new` to `new` (h(t, r, r) = t), never through inf * 0;
+        otherwise the terms computed with the stand-in count and are repaired from it."""
         op = self.loop.member(producer).reduce_op
         if op not in ("max", "min"):
             return old
-        key = Running(producer, "guarded-old")
+        vanish = self._vanishes_while_identity(member, producer)
+        key = Running(producer, "guarded-old" if vanish else "stand-in-old")
         memo = self.scopes[-1].memo
         if key not in memo:
             fresh = self.bin("eq", old, self.const(REDUCER_IDENTITY[op]))
-            memo[key] = self.op("where", old.axes, "f32", (fresh, new, old), prefix="old")
+            memo[key] = self.op("where", old.axes, "f32", (fresh, new if vanish else self._zero("f32"), old),
+                                prefix="old")
         return memo[key]
 
     def _emit_block_map_loops(self, row_tile: TVal, state: dict[str, TVal], valid: dict[str, TVal | None]) -> None:
@@ -853,15 +867,17 @@ class KernelBuilder:
                 repair = transform_bottom_up(repair, lambda n, a=acc_name: Load(a, ()) if isinstance(n, Accumulator) else None)
                 ctx.placeholders = {}
                 for p in producers:
-                    ctx.placeholders[Running(p, "old")] = self._guarded_old(p, state[p], ctx.values[p])
+                    ctx.placeholders[Running(p, "old")] = self._old_value(m.name, p, state[p], ctx.values[p])
                     ctx.placeholders[Running(p, "new")] = ctx.values[p]
                 acc = self.emit(repair, ctx)
                 ctx.placeholders = {}
-                if m.reduce_op in ("max", "min"):
-                    # a max/min that has seen nothing stays +-inf: repairing it could compute
-                    # inf * 0 (its factor underflowing), which is NaN
+                stand_in = any(self.loop.member(p).reduce_op in ("max", "min")
+                               and not self._vanishes_while_identity(m.name, p) for p in producers)
+                if m.reduce_op in ("max", "min") or stand_in:
+                    # an accumulator that has seen nothing stays at its identity: repairing it could
+                    # compute 0 * inf (a factor overflowing or underflowing), which is NaN
                     ident = self.const(REDUCER_IDENTITY[m.reduce_op])
-                    acc = self.op("where", acc.axes, "f32", (self.bin("eq", state[m.name], ident), ident, acc))
+                    acc = self.op("where", acc.axes, "f32", (self.bin("eq", state[m.name], ident), state[m.name], acc))
             else:
                 acc = state[m.name]
             # the repair before the operands: emitting the repair right before its dot measured 4-9%
@@ -887,7 +903,56 @@ class KernelBuilder:
         del self.tile_start[roles.col]
         self.body.append(Loop(var, start, stop, step, body, comment, self.config.warp_specialize and not masked))
 
+    def _finished(self, state: dict[str, TVal], valid: dict[str, TVal | None]) -> dict[str, TVal]:
+        """The members' final values. Where a max/min producer ended at its identity (it saw
+        nothing: a fully masked row), its readers were computed with the stand-in 0; repair them
+        from it to the identity itself, so the kernel computes what the unfused program does there
+        (exp(x - -inf) = inf, exp(-inf - -inf) = nan), as the reference executor's `_finish` does.
+        Readers of a member repaired this way are repaired from its old value to its new one."""
+        final = dict(state)
+        finished: dict[str, TVal] = {}  # member -> where this repair changed it
+        at_identity: dict[str, TVal] = {}  # max/min member -> where it ended at its identity
+        used: dict[str, TVal] = {}  # max/min member -> the value its readers were computed with
+        self.scopes.append(_Scope(self.body))
+        ctx = _Ctx(final, {}, valid, {}, True)
+        for m in self.loop.members:
+            producers = self.loop.producers.get(m.name, ())
+            ctx.placeholders = {}
+            flags: list[TVal] = []
+            for p in producers:
+                op = self.loop.member(p).reduce_op
+                if op in ("max", "min"):
+                    if p not in at_identity:
+                        at_identity[p] = self.bin("eq", state[p], self.const(REDUCER_IDENTITY[op]))
+                        used[p] = self.op("where", state[p].axes, "f32",
+                                          (at_identity[p], self._zero("f32"), state[p]), prefix="old")
+                    flags.append(at_identity[p])
+                if p in finished:
+                    flags.append(finished[p])
+                ctx.placeholders[Running(p, "old")] = used.get(p, state[p])
+                ctx.placeholders[Running(p, "new")] = final[p]
+            if not flags:
+                continue
+            differs = flags[0]
+            for flag in flags[1:]:
+                differs = self.bin("or", differs, flag)
+            repair = self.loop.repairs[m.name]
+            assert repair is not None
+            acc_name = f"__final__{m.name}"
+            self.member_names.add(acc_name)
+            ctx.values[acc_name] = state[m.name]
+            repair = transform_bottom_up(repair, lambda n, a=acc_name: Load(a, ()) if isinstance(n, Accumulator) else None)
+            fixed = self.to(self.emit(repair, ctx), "f32")
+            final[m.name] = self.op("where", self.union(differs, fixed, state[m.name]), "f32",
+                                    (differs, fixed, state[m.name]), prefix="fin")
+            finished[m.name] = differs
+        ctx.placeholders = {}
+        self.scopes.pop()
+        return {name: final[name] for name in state}
+
     def _emit_outputs(self, state: dict[str, TVal], valid: dict[str, TVal | None]) -> None:
+        if not self.config.partial_outputs:
+            state = self._finished(state, valid)  # split-K partial states are finished by the combine
         scope = _Scope(self.body)
         self.scopes.append(scope)
         ctx = _Ctx(dict(state), {}, valid, {}, False)
