@@ -278,6 +278,24 @@ def test_max_of_softmax_weighted_values():
         nf.compile(max_attention_weighted_value, schedule=nf.split_k(splits=3))(x, y)
 
 
+@nf.program
+def max_of_weights_masked_in_the_first_tile(x, y):
+    x = nf.where(nf.index(x, 1) >= 20, x, -nf.inf)
+    e = nf.exp(x - x.max(axis=-1, keepdims=True))
+    return (e * y / e.sum(axis=-1, keepdims=True)).max(axis=-1)
+
+
+def test_a_running_sum_still_at_zero_is_stood_in_for_as_the_reference_does():
+    """The first tile is masked: the running sum is 0 there, and e * y / 0 = nan. Like the
+    reference executor the kernel computes with 1 there and repairs from it (a regression: nan)."""
+    x, y = randn(4, 64), randn(4, 64)
+    expected = nf.run_reference(max_of_weights_masked_in_the_first_tile.trace(x, y), {"x": x, "y": y})
+    out = nf.compile(max_of_weights_masked_in_the_first_tile, schedule=nf.flash(block_q=16, block_k=16))(x, y)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    visible = torch.arange(64) >= 20
+    torch.testing.assert_close(out, (torch.softmax(x[:, visible], -1) * y[:, visible]).amax(-1), rtol=1e-5, atol=1e-6)
+
+
 def test_basis_expansion_of_entropy_translation_validation():
     x = randn(6, 50) * 3
     prog = hoist_invariant_factors(inline_elementwise(softmax_entropy.trace(x)))

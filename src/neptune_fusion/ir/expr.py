@@ -29,6 +29,10 @@ BINARY_OPS = (
 COMPARISONS = ("lt", "le", "gt", "ge", "eq", "ne")
 REDUCERS = ("sum", "max", "min", "prod")
 REDUCER_IDENTITY: dict[str, float] = {"sum": 0.0, "max": -math.inf, "min": math.inf, "prod": 1.0}
+# What a fused loop computes its readers with while a running value is still its reducer's
+# identity: finite (max/min: 0, so no inf - inf; sum: 1, so no division by zero). Exact as long
+# as the readers are repaired from the same stand-in (the repair's replacement condition).
+RUNNING_STAND_IN: dict[str, float] = {"max": 0.0, "min": 0.0, "sum": 1.0}
 DTYPES = ("f32", "f16", "bf16", "i32", "i64", "bool")
 
 

@@ -25,6 +25,7 @@ import torch
 
 from neptune_fusion.ir.expr import (
     REDUCER_IDENTITY,
+    RUNNING_STAND_IN,
     Accumulator,
     Binary,
     Cast,
@@ -208,7 +209,7 @@ class _Evaluator:
 
 
 
-_SAFE_VALUE = {"max": 0.0, "min": 0.0, "sum": 1.0}
+_SAFE_VALUE = RUNNING_STAND_IN
 
 
 def _safe(value: torch.Tensor, op: str | None) -> torch.Tensor:

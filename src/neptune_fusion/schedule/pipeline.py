@@ -13,6 +13,7 @@ from neptune_fusion.analysis.chains import chain_axis
 from neptune_fusion.ir.errors import FusionError
 from neptune_fusion.ir.expr import (
     REDUCER_IDENTITY,
+    RUNNING_STAND_IN,
     Accumulator,
     Binary,
     Const,
@@ -104,15 +105,17 @@ def combine_program(fused: Program) -> Program:
                 if isinstance(node, Running):
                     prod = loop.member(node.stage)
                     if node.which == "old":
-                        # A chunk whose running max/min never left its identity computed its
-                        # readers with the stand-in 0. Where their terms vanish there, it saw
-                        # nothing: repairing it from the identity gives 0 by itself (when h stays
-                        # finite there). Otherwise repair it from the stand-in it was computed with.
+                        # A chunk whose running value ended at its identity computed its readers
+                        # with the stand-in (RUNNING_STAND_IN). Where their terms vanish there (a
+                        # max/min), it saw nothing: repairing it from the identity gives 0 by itself
+                        # when h stays finite there. Otherwise repair it from the stand-in.
                         ident = REDUCER_IDENTITY[prod.reduce_op]
-                        if prod.reduce_op in ("max", "min") and not (
-                                terms_vanish_while_identity(m, prod, loop.producers[m.name])
+                        if prod.reduce_op in RUNNING_STAND_IN and not (
+                                prod.reduce_op in ("max", "min")
+                                and terms_vanish_while_identity(m, prod, loop.producers[m.name])
                                 and repair_finite_from_identity(repair, node.stage, ident)):
-                            return Where(Binary("eq", part(node.stage), Const(ident)), Const(0.0), part(node.stage))
+                            return Where(Binary("eq", part(node.stage), Const(ident)),
+                                         Const(RUNNING_STAND_IN[prod.reduce_op]), part(node.stage))
                         return part(node.stage)
                     return Load(node.stage, tuple(Index(a) for a in prod.axes))
                 return None

@@ -24,6 +24,7 @@ from neptune_fusion.analysis.masks import MaskInfo, analyze_masks
 from neptune_fusion.ir.errors import UnsupportedProgramError
 from neptune_fusion.ir.expr import (
     REDUCER_IDENTITY,
+    RUNNING_STAND_IN,
     Accumulator,
     Binary,
     Cast,
@@ -188,6 +189,7 @@ class KernelBuilder:
         self.tile_start: dict[str, TVal] = {}
         self.variant_axes = {self.roles.col, BLOCK_MAP_TILE}  # indices that change inside a loop
         self.member_names = {m.name for m in self.loop.members}
+        self.producer_names = {p for ps in self.loop.producers.values() for p in ps}
         self.vanishing: dict[tuple[str, str], bool] = {}  # (member, max/min producer) -> terms_vanish_while_identity
         self.loop_axes_of = {m.name: m.axes for m in self.loop.members}
         self.block = {self.roles.row: "BLOCK_R", self.roles.col: "BLOCK_C"}
@@ -785,22 +787,32 @@ class KernelBuilder:
                 self.loop.member(member), self.loop.member(producer), self.loop.producers[member])
         return self.vanishing[key]
 
+    def _repairs_from_stand_in(self, member: str, producer: str) -> bool:
+        """Whether `member` is repaired from the stand-in for `producer` at its identity (see
+        RUNNING_STAND_IN) rather than from `new` to `new`: always for a sum (its running value may
+        come back to 0 after terms that cancel), for a max/min unless the member's terms vanish
+        wherever the producer's are its identity."""
+        op = self.loop.member(producer).reduce_op
+        if op == "sum":
+            return True
+        return op in ("max", "min") and not self._vanishes_while_identity(member, producer)
+
     def _old_value(self, member: str, producer: str, old: TVal, new: TVal) -> TVal:
         """The running value of `producer` that `member`'s accumulator was computed with: the
-        repair's r. A max/min still at its identity was stood in for by 0 (see `safe` in
-        `_emit_loop`). Where the member's terms vanish there anyway, the accumulator holds only
-        identities and is repaired from `new` to `new` (h(t, r, r) = t), never through inf * 0;
-        otherwise the terms computed with the stand-in count and are repaired from it."""
+        repair's r. A producer still at its identity was stood in for (RUNNING_STAND_IN). Where
+        the member's terms vanish there anyway (a max/min), the accumulator holds only identities
+        and is repaired from `new` to `new` (h(t, r, r) = t), never through inf * 0; otherwise the
+        terms computed with the stand-in count and are repaired from it."""
         op = self.loop.member(producer).reduce_op
-        if op not in ("max", "min"):
+        if op not in RUNNING_STAND_IN:
             return old
-        vanish = self._vanishes_while_identity(member, producer)
-        key = Running(producer, "guarded-old" if vanish else "stand-in-old")
+        from_stand_in = self._repairs_from_stand_in(member, producer)
+        key = Running(producer, "stand-in-old" if from_stand_in else "guarded-old")
         memo = self.scopes[-1].memo
         if key not in memo:
             fresh = self.bin("eq", old, self.const(REDUCER_IDENTITY[op]))
-            memo[key] = self.op("where", old.axes, "f32", (fresh, new if vanish else self._zero("f32"), old),
-                                prefix="old")
+            replacement = self.const(RUNNING_STAND_IN[op]) if from_stand_in else new
+            memo[key] = self.op("where", old.axes, "f32", (fresh, replacement, old), prefix="old")
         return memo[key]
 
     def _emit_block_map_loops(self, row_tile: TVal, state: dict[str, TVal], valid: dict[str, TVal | None]) -> None:
@@ -871,8 +883,7 @@ class KernelBuilder:
                     ctx.placeholders[Running(p, "new")] = ctx.values[p]
                 acc = self.emit(repair, ctx)
                 ctx.placeholders = {}
-                stand_in = any(self.loop.member(p).reduce_op in ("max", "min")
-                               and not self._vanishes_while_identity(m.name, p) for p in producers)
+                stand_in = any(self._repairs_from_stand_in(m.name, p) for p in producers)
                 if m.reduce_op in ("max", "min") or stand_in:
                     # an accumulator that has seen nothing stays at its identity: repairing it could
                     # compute 0 * inf (a factor overflowing or underflowing), which is NaN
@@ -890,10 +901,12 @@ class KernelBuilder:
                 new = self.bin(m.reduce_op if m.reduce_op != "sum" else "add", acc, contribution)
             new = self.to(new, "f32")
             new_state[m.name] = new
-            if m.reduce_op in ("max", "min"):
+            if m.reduce_op in ("max", "min") or (m.reduce_op in RUNNING_STAND_IN and m.name in self.producer_names):
+                # readers see the stand-in for a running value still at its identity
                 ident = self.const(REDUCER_IDENTITY[m.reduce_op])
                 is_ident = self.bin("eq", new, ident)
-                ctx.values[m.name] = self.op("where", new.axes, "f32", (is_ident, self._zero("f32"), new), prefix="safe")
+                stand_in = self.const(RUNNING_STAND_IN[m.reduce_op])
+                ctx.values[m.name] = self.op("where", new.axes, "f32", (is_ident, stand_in, new), prefix="safe")
             else:
                 ctx.values[m.name] = new
         for m in self.loop.members:
@@ -904,15 +917,15 @@ class KernelBuilder:
         self.body.append(Loop(var, start, stop, step, body, comment, self.config.warp_specialize and not masked))
 
     def _finished(self, state: dict[str, TVal], valid: dict[str, TVal | None]) -> dict[str, TVal]:
-        """The members' final values. Where a max/min producer ended at its identity (it saw
-        nothing: a fully masked row), its readers were computed with the stand-in 0; repair them
-        from it to the identity itself, so the kernel computes what the unfused program does there
+        """The members' final values. Where a producer ended at its identity (a max that saw
+        nothing: a fully masked row), its readers were computed with the stand-in
+        (RUNNING_STAND_IN); repair them from it to the identity itself, so the kernel computes what the unfused program does there
         (exp(x - -inf) = inf, exp(-inf - -inf) = nan), as the reference executor's `_finish` does.
         Readers of a member repaired this way are repaired from its old value to its new one."""
         final = dict(state)
         finished: dict[str, TVal] = {}  # member -> where this repair changed it
-        at_identity: dict[str, TVal] = {}  # max/min member -> where it ended at its identity
-        used: dict[str, TVal] = {}  # max/min member -> the value its readers were computed with
+        at_identity: dict[str, TVal] = {}  # member -> where it ended at its identity
+        used: dict[str, TVal] = {}  # member -> the value its readers were computed with
         self.scopes.append(_Scope(self.body))
         ctx = _Ctx(final, {}, valid, {}, True)
         for m in self.loop.members:
@@ -921,11 +934,11 @@ class KernelBuilder:
             flags: list[TVal] = []
             for p in producers:
                 op = self.loop.member(p).reduce_op
-                if op in ("max", "min"):
+                if op in RUNNING_STAND_IN:
                     if p not in at_identity:
                         at_identity[p] = self.bin("eq", state[p], self.const(REDUCER_IDENTITY[op]))
                         used[p] = self.op("where", state[p].axes, "f32",
-                                          (at_identity[p], self._zero("f32"), state[p]), prefix="old")
+                                          (at_identity[p], self.const(RUNNING_STAND_IN[op]), state[p]), prefix="old")
                     flags.append(at_identity[p])
                 if p in finished:
                     flags.append(finished[p])
