@@ -308,6 +308,21 @@ def test_window_softcap_gqa(dtype):
     check(q, k, v, expected, score_mod=tanh_softcap, mask_mod=sliding_window, enable_gqa=True)
 
 
+def test_integer_and_float_constants_of_equal_value_stay_apart():
+    """GQA 6/2 divides the head by the int 3, softcap 3 divides scores by the float 3.0: equal in
+    Python, different in a kernel (a regression: one memoised constant served both, and the integer
+    division ran on float32)."""
+
+    def softcap_3(score, b, h, q_idx, kv_idx):
+        return 3.0 * torch.tanh(score / 3.0) + ((q_idx - kv_idx) // 3) * 0.1
+
+    q, k, v = make_qkv(1, 6, 16, 16, 16, torch.float32, hkv=2)
+    i, j = positions(16, 16)
+    expected = expected_attention(q, k, v, score_fn=lambda s: 3.0 * torch.tanh(s / 3.0) + ((i - j) // 3) * 0.1)
+    check(q, k, v, expected, score_mod=softcap_3, enable_gqa=True)
+    assert Const(3) != Const(3.0) and Const(1) != Const(True) and Const(3) == Const(3)
+
+
 def test_gqa_program_reads_kv_head_h_div_group():
     q, k, v = make_qkv(1, 4, 16, 16, 16, torch.float32, hkv=1)
     prog = nf.attention_program(q, k, v, mask_mod=causal, enable_gqa=True)

@@ -82,6 +82,17 @@ class Const(Expr):
     def __repr__(self) -> str:
         return f"Const({self.value!r})"
 
+    # Equal Python numbers of different types (3, 3.0, True == 1) are different constants: they
+    # lower to different dtypes (3 // 2 is integer division, 3.0 // 2 is not), so expressions
+    # that hold them must not be merged by structural equality (memo tables, CSE, caches).
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Const):
+            return NotImplemented
+        return (type(self.value), self.value) == (type(other.value), other.value)
+
+    def __hash__(self) -> int:
+        return hash((Const, type(self.value), self.value))
+
 
 @dataclass(frozen=True, eq=True)
 class Index(Expr):
