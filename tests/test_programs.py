@@ -354,3 +354,26 @@ def test_softmax_over_a_middle_axis():
 
     x = randn(3, 50, 7)
     torch.testing.assert_close(nf.compile(softmax_mid)(x), torch.softmax(x, 1))
+
+
+@nf.program
+def window_attention_of_width(q, k, v, width):
+    s = nf.einsum("bhqd,bhkd->bhqk", q, k) * 0.25
+    i, j = nf.index(s, -2), nf.index(s, -1)
+    s = nf.where((i >= j) & (i - j <= width), s, -nf.inf)
+    p = nf.exp(s - s.max(axis=-1, keepdims=True))
+    return nf.einsum("bhqk,bhkd->bhqd", p, v) / p.sum(axis=-1, keepdims=True)
+
+
+def test_a_parameter_first_int_then_float_gets_its_own_kernel():
+    """The fingerprint (the kernel cache key) includes the parameter kinds: an int width makes
+    integer loop bounds, so a later float width must not reuse that kernel (a regression: crash)."""
+    q, k, v = (randn(1, 1, 32, 16) for _ in range(3))
+    fn = nf.compile(window_attention_of_width)
+    i, j = torch.arange(32)[:, None], torch.arange(32)[None, :]
+    for width in (4, 4.5, 2.5):
+        s = (q @ k.mT * 0.25).masked_fill(~((i >= j) & (i - j <= width)), float("-inf"))
+        torch.testing.assert_close(fn(q, k, v, width=width), torch.softmax(s, -1) @ v)
+    as_int = window_attention_of_width.trace(q, k, v, width=4)
+    as_float = window_attention_of_width.trace(q, k, v, width=4.5)
+    assert as_int.param_kinds != as_float.param_kinds and as_int.fingerprint() != as_float.fingerprint()
