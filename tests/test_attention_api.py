@@ -323,6 +323,26 @@ def test_integer_and_float_constants_of_equal_value_stay_apart():
     assert Const(3) != Const(3.0) and Const(1) != Const(True) and Const(3) == Const(3)
 
 
+def test_captured_cpu_scalar_is_copied_to_the_inputs_device_once_per_version():
+    """A 0-d CPU tensor captured with inputs on another device (here `meta`, standing in for CUDA)
+    is copied there per call site version: the same copy while it is unchanged, a new one after an
+    in-place update (a regression: the copy made at the first trace was passed forever)."""
+    q = torch.empty(1, 2, 16, 16, device="meta")
+    cap = torch.tensor(1.0)
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return cap * torch.tanh(score / cap)
+
+    first = nf.attention_inputs(q, q, q, score_mod=softcap)
+    (name,) = [n for n in first if n.startswith("cap")]
+    assert first[name].device.type == "meta"
+    assert nf.attention_inputs(q, q, q, score_mod=softcap)[name] is first[name]
+    cap.fill_(20.0)
+    updated = nf.attention_inputs(q, q, q, score_mod=softcap)[name]
+    assert updated is not first[name] and updated.device.type == "meta"
+    assert attention_module.scalar_on_device(cap, q.device) is updated
+
+
 def test_gqa_program_reads_kv_head_h_div_group():
     q, k, v = make_qkv(1, 4, 16, 16, 16, torch.float32, hkv=1)
     prog = nf.attention_program(q, k, v, mask_mod=causal, enable_gqa=True)

@@ -48,9 +48,12 @@ class CaptureTable:
     """
 
     def __init__(self, device: torch.device | None = None, prefix: str = "cap") -> None:
-        self.device = device
+        self.device = device  # the inputs' device: what `x.device` of a symbolic tensor reports
         self.prefix = prefix
-        self.tensors: list[torch.Tensor] = []  # also keeps them alive, so ids stay unique
+        # the tensors as the traced code holds them (a 0-d CPU scalar stays on the CPU: the caller
+        # moves it to the inputs' device per call, so its in-place updates are seen); the list also
+        # keeps them alive, so ids stay unique
+        self.tensors: list[torch.Tensor] = []
         self.names: list[str] = []
         self._inputs: dict[int, SymTensor] = {}
 
@@ -64,8 +67,6 @@ class CaptureTable:
                 f"a tensor captured {CONTEXT} has dtype {tensor.dtype}; use float32/float16/bfloat16 "
                 "or an integer/bool dtype"
             )
-        if tensor.dim() == 0 and self.device is not None and tensor.device != self.device:
-            tensor = tensor.to(self.device)  # a scalar made on the CPU, e.g. torch.tensor(50.0)
         if tensor.is_floating_point():
             kind = "float"
         elif tensor.dtype == torch.bool:
