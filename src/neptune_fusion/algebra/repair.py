@@ -59,7 +59,16 @@ def derive_repair(stage: str, reducer: str, axis: str, g: Expr, producers: tuple
     positive maps, `positive_map`); the proofs may use it. Raises FusionError naming the stage, the
     reduction and the condition that failed.
     """
-    return _derive_cached(stage, reducer, axis, g, tuple(sorted(producers)), frozenset(positive) & set(producers))
+    try:
+        return _derive_cached(stage, reducer, axis, g, tuple(sorted(producers)), frozenset(positive) & set(producers))
+    except _SYMPY_FAILURES as exc:
+        raise FusionError("repair derivation", stage, f"{reducer} over {axis}",
+                          f"the algebra (SymPy) could not decide a condition on the map {format_expr(g)}: "
+                          f"{type(exc).__name__}: {exc}") from None
+
+
+# what SymPy raises on forms it cannot handle (limits, series and comparisons of Max, Piecewise, ...)
+_SYMPY_FAILURES = (NotImplementedError, TypeError, ValueError, ArithmeticError, RecursionError)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -206,6 +215,8 @@ def repair_finite_from_identity(h: Expr, producer: str, identity: float) -> bool
 
     For `t * exp(r - r')` at r = -inf the factor is 0: a chunk that saw nothing repairs to 0 by
     itself. For `t * (r / r')**2` it is infinite, so the caller must not apply h to such a chunk.
+    False also when SymPy cannot tell (its limit of a Max is not implemented): the caller then
+    stands in a finite value, which is exact either way.
     """
     import sympy as sp
 
@@ -215,7 +226,10 @@ def repair_finite_from_identity(h: Expr, producer: str, identity: float) -> bool
         return False
     old = table.old(producer)
     value = sym.subs(S.symbol("t"), 1)
-    value = sp.limit(value, old, -sp.oo if identity < 0 else sp.oo)
+    try:
+        value = sp.limit(value, old, -sp.oo if identity < 0 else sp.oo)
+    except _SYMPY_FAILURES:
+        return False
     return bool(value.is_finite)
 
 

@@ -397,8 +397,8 @@ class Compiled:
         combine_steps: list[Step] = []
         ctile = None
         if plan.splits > 1:
-            cprog = combine_program(fused)
             try:
+                cprog = combine_program(fused)
                 combine_steps = fuse(cprog)
             except FusionError:
                 if isinstance(self.schedule, SplitK) or given_plan:
