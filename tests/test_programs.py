@@ -14,6 +14,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import neptune_fusion as nf  # noqa: E402
+from neptune_fusion.runtime.compiled import kernel_name  # noqa: E402
 from neptune_fusion.schedule.pipeline import fuse  # noqa: E402
 from neptune_fusion.transform.inline import inline_elementwise  # noqa: E402
 from neptune_fusion.transform.normalize import hoist_invariant_factors  # noqa: E402
@@ -377,3 +378,12 @@ def test_a_parameter_first_int_then_float_gets_its_own_kernel():
     as_int = window_attention_of_width.trace(q, k, v, width=4)
     as_float = window_attention_of_width.trace(q, k, v, width=4.5)
     assert as_int.param_kinds != as_float.param_kinds and as_int.fingerprint() != as_float.fingerprint()
+
+
+def test_a_lambda_program_compiles_to_a_kernel_with_an_identifier_name():
+    """nf.program(lambda ...) is named "<lambda>" (a regression: the kernel nf_<lambda> did not parse)."""
+    softmax = nf.program(lambda x: nf.exp(x - x.max(axis=-1, keepdims=True))
+                         / nf.exp(x - x.max(axis=-1, keepdims=True)).sum(axis=-1, keepdims=True))
+    x = randn(4, 32)
+    torch.testing.assert_close(nf.compile(softmax)(x), torch.softmax(x, -1))
+    assert kernel_name("<lambda>").isidentifier() and kernel_name("größe-2").isidentifier()

@@ -15,6 +15,7 @@ import hashlib
 import importlib.util
 import math
 import os
+import re
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -63,6 +64,17 @@ def cache_dir() -> Path:
     path = Path(os.environ.get("NEPTUNE_FUSION_CACHE_DIR", Path.home() / ".cache" / "neptune_fusion"))
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def kernel_name(program_name: str) -> str:
+    """The kernel's name for a program: a Python identifier (and a plain file name) whatever the
+    program is called (`nf.program(lambda x: ...)` is named "<lambda>").
+
+    Example:
+        >>> kernel_name("<lambda>")
+        'nf__lambda_'
+    """
+    return "nf_" + re.sub(r"\W", "_", program_name, flags=re.ASCII)
 
 
 def _load_kernel(source: str, name: str) -> Callable[..., Any]:
@@ -392,7 +404,7 @@ class Compiled:
                                 warp_specialize=os.environ.get("NEPTUNE_FUSION_WS", "0") == "1" and not interpreter,
                                 grid_group=grid_group)
         target = "interpreter" if interpreter else "cuda"
-        name = f"nf_{program.name}"
+        name = kernel_name(program.name)
         combine = None
         combine_steps: list[Step] = []
         ctile = None
