@@ -287,6 +287,19 @@ def test_captured_scalar_tensor_and_torch_ops():
     check(q, k, v, expected_attention(q, k, v, score_fn=score_fn), score_mod=score_mod)
 
 
+def test_trunc_division_with_a_python_number_divisor():
+    """torch.div(x, 4, rounding_mode="trunc") (a regression: the sign test built an op on two Python
+    numbers and crashed). The same function run on torch tensors gives the expectation."""
+
+    def blocks(b, h, q_idx, kv_idx):
+        same_block = torch.div(q_idx, 4, rounding_mode="trunc") == torch.div(kv_idx, 4, rounding_mode="trunc")
+        return same_block | (torch.div(q_idx - kv_idx, -3, rounding_mode="trunc") == 0)
+
+    q, k, v = make_qkv(1, 2, 32, 32, 16, torch.float32)
+    i, j = positions(32, 32)
+    check(q, k, v, expected_attention(q, k, v, mask=blocks(None, None, i, j)), mask_mod=blocks)
+
+
 # --------------------------------------------------------------------------- GQA, shapes, schedules
 
 

@@ -227,9 +227,16 @@ def _div(a: Any, b: Any, *, rounding_mode: str | None = None, out: Any = None) -
             raise TypeError(f"torch.div(..., rounding_mode='trunc') on floating-point values is not supported {CONTEXT}")
         q, r = binary("floordiv", a, b), binary("mod", a, b)
         # floor -> truncation: one up where the division was inexact and the signs differ
-        fix = binary("and", binary("ne", r, 0), binary("ne", binary("lt", a, 0), binary("lt", b, 0)))
+        fix = binary("and", binary("ne", r, 0), binary("ne", _is_negative(a), _is_negative(b)))
         return where(fix, binary("add", q, 1), q)
     raise ValueError(f"unknown rounding_mode {rounding_mode!r}")
+
+
+def _is_negative(x: Any) -> Any:
+    """x < 0: a Python bool for a Python number (one operand of a torch op may be one), else symbolic."""
+    if isinstance(x, (int, float)):
+        return x < 0
+    return binary("lt", x, 0)
 
 
 def _pow(a: Any, b: Any, *, out: Any = None) -> SymTensor:
