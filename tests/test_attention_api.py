@@ -300,6 +300,17 @@ def test_trunc_division_with_a_python_number_divisor():
     check(q, k, v, expected_attention(q, k, v, mask=blocks(None, None, i, j)), mask_mod=blocks)
 
 
+def test_sign_of_scores_and_of_index_differences():
+    """torch.sign (a regression: -1 was built as an op on two Python numbers and crashed)."""
+
+    def signs(score, b, h, q_idx, kv_idx):
+        return score + torch.sign(score) + 0.1 * torch.sign(q_idx - kv_idx)
+
+    q, k, v = make_qkv(1, 2, 32, 32, 16, torch.float32)
+    i, j = positions(32, 32)
+    check(q, k, v, expected_attention(q, k, v, score_fn=lambda s: signs(s, None, None, i, j)), score_mod=signs)
+
+
 # --------------------------------------------------------------------------- GQA, shapes, schedules
 
 

@@ -337,7 +337,7 @@ def _sign(x: Any, *, out: Any = None) -> SymTensor:
     _no_out("sign", out)
     one = 1 if _kind(x) == "int" else 1.0
     zero = 0 if _kind(x) == "int" else 0.0
-    return where(binary("gt", x, 0), one, where(binary("lt", x, 0), binary("sub", zero, one), zero))
+    return where(binary("gt", x, 0), one, where(binary("lt", x, 0), -one, zero))
 
 
 def _rounding(name: str) -> Callable[..., SymTensor]:
