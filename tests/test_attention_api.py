@@ -311,6 +311,16 @@ def test_sign_of_scores_and_of_index_differences():
     check(q, k, v, expected_attention(q, k, v, score_fn=lambda s: signs(s, None, None, i, j)), score_mod=signs)
 
 
+def test_float_floor_division_of_scores():
+    """score // 0.5 (a regression: Triton's // on floats failed inside the kernel)."""
+
+    def quantised(score, b, h, q_idx, kv_idx):
+        return (score // 0.5) * 0.5
+
+    q, k, v = make_qkv(1, 2, 32, 32, 16, torch.float32)
+    check(q, k, v, expected_attention(q, k, v, score_fn=lambda s: torch.floor_divide(s, 0.5) * 0.5), score_mod=quantised)
+
+
 # --------------------------------------------------------------------------- GQA, shapes, schedules
 
 

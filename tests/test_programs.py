@@ -387,3 +387,21 @@ def test_a_lambda_program_compiles_to_a_kernel_with_an_identifier_name():
     x = randn(4, 32)
     torch.testing.assert_close(nf.compile(softmax)(x), torch.softmax(x, -1))
     assert kernel_name("<lambda>").isidentifier() and kernel_name("größe-2").isidentifier()
+
+
+@nf.program
+def float_floor_division_and_modulo(x, y):
+    return (x // y).sum(axis=-1), (x % y).sum(axis=-1), (x // 0.1).sum(axis=-1)
+
+
+def test_float_floor_division_and_modulo_match_torch():
+    """Float `//` lowers to a floor division from the remainder (a regression: Triton's // on
+    floats failed); it is exact where floor(x / y) is not (1.0 // 0.1 is 9.0). One element per row."""
+    x = torch.tensor([1.0, -1.0, 5.5, -5.5, 0.3, -0.3, 7.0, 0.0, -0.0, 2.5, 100.0, -7.25, 1e-3, 3.3, 0.7, 1.0])
+    y = torch.tensor([0.1, 0.1, 2.0, 2.0, 0.1, -0.1, -2.0, 0.5, 0.5, -0.5, 0.3, 0.25, 0.1, 1.1, 0.1, -0.0])
+    x, y = x[:, None], y[:, None]
+    quotient, remainder, by_constant = nf.compile(float_floor_division_and_modulo)(x, y)
+    torch.testing.assert_close(quotient, torch.floor_divide(x, y)[:, 0], rtol=0, atol=0)
+    torch.testing.assert_close(remainder, torch.remainder(x, y)[:, 0], rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(by_constant, torch.floor_divide(x, 0.1)[:, 0], rtol=0, atol=0)
+    assert quotient[0] == 9.0
