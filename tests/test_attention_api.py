@@ -153,6 +153,22 @@ def test_document_mask(dtype):
     check(q, k, v, expected_attention(q, k, v, mask=same & (i >= j)), mask_mod=and_masks(document_mask, causal))
 
 
+@pytest.mark.parametrize("id_dtype", [torch.int8, torch.int16, torch.uint8])
+def test_document_ids_in_narrow_integer_dtypes(id_dtype):
+    """int8 / int16 / uint8 captured tensors are read as stored and widened to int32 (a regression:
+    they passed the argument check, then failed with an unhelpful dtype error)."""
+    lengths = [10, 25, 7, 22]
+    document_id = torch.cat([torch.full((n,), 200 + i if id_dtype == torch.uint8 else i, dtype=id_dtype)
+                             for i, n in enumerate(lengths)])
+
+    def document_mask(b, h, q_idx, kv_idx):
+        return (document_id[q_idx] == document_id[kv_idx]) & (document_id[kv_idx] * 100 + kv_idx >= 0)
+
+    q, k, v = make_qkv(1, 2, 64, 64, 16, torch.float32)
+    same = document_id[:, None] == document_id[None, :]
+    check(q, k, v, expected_attention(q, k, v, mask=same), mask_mod=document_mask)
+
+
 def test_document_mask_with_offsets():
     """attention-gym's doc mask: causal in each document's own positions (nested gathers)."""
     lengths = [20, 30, 14]

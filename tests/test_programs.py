@@ -405,3 +405,23 @@ def test_float_floor_division_and_modulo_match_torch():
     torch.testing.assert_close(remainder, torch.remainder(x, y)[:, 0], rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(by_constant, torch.floor_divide(x, 0.1)[:, 0], rtol=0, atol=0)
     assert quotient[0] == 9.0
+
+
+@nf.program
+def sum_where_kept(x, keep, offset):
+    return nf.where(keep[nf.index(x, -1)] * 100 + offset[nf.index(x, -1)] > 150, x, 0.0).sum(axis=-1)
+
+
+def test_narrow_integer_inputs_are_widened_to_int32():
+    """uint8 and int16 inputs (keep * 100 would wrap in 8 bits: the kernel and the reference compute in int32)."""
+    x = randn(4, 16)
+    keep = (torch.arange(16) % 3 == 0).to(torch.uint8) * 2
+    offset = torch.arange(16, dtype=torch.int16) - 8
+    out = nf.compile(sum_where_kept)(x, keep, offset)
+    wide = keep.to(torch.int32) * 100 + offset.to(torch.int32)
+    expected = torch.where(wide > 150, x, 0.0).sum(-1)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(nf.run_reference(sum_where_kept.trace(x, keep, offset),
+                                                {"x": x, "keep": keep, "offset": offset}), expected)
+    with pytest.raises(TypeError, match=r"argument 'keep'.*unsupported dtype torch.uint16.*supported"):
+        nf.compile(sum_where_kept)(x, keep.to(torch.uint16), offset)

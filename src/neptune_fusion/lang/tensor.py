@@ -372,6 +372,22 @@ _DTYPE_NAMES = {
 }
 
 
+# integer inputs narrower than 32 bits: loaded as stored, widened to int32 at once (a kernel
+# computes indices and comparisons in int32; a cast to them is not supported)
+NARROW_INT_DTYPES = {"int8": "i8", "int16": "i16", "uint8": "u8"}
+
+
+def input_dtype_name(dtype: object) -> str:
+    """Our short name for the dtype of an input tensor: a cast target or a narrow integer ('int8' -> 'i8')."""
+    key = str(dtype).replace("torch.", "")
+    if key in NARROW_INT_DTYPES:
+        return NARROW_INT_DTYPES[key]
+    if key not in _DTYPE_NAMES:
+        raise TypeError(f"unsupported dtype {dtype!r}; supported: float32, float16, bfloat16, int64, int32, int16, "
+                        "int8, uint8, bool")
+    return _DTYPE_NAMES[key]
+
+
 def dtype_name(dtype: object) -> str:
     """Our short dtype name for a torch dtype or a string ('float16' -> 'f16')."""
     key = str(dtype).replace("torch.", "")

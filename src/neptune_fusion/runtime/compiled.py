@@ -30,7 +30,7 @@ from neptune_fusion.codegen.triton_source import generate
 from neptune_fusion.ir.errors import FusionError
 from neptune_fusion.ir.expr import free_axes
 from neptune_fusion.ir.program import FusedLoop, Program
-from neptune_fusion.lang.tensor import dtype_name
+from neptune_fusion.lang.tensor import input_dtype_name
 from neptune_fusion.lang.trace import ProgramDef
 from neptune_fusion.runtime.blockmap import block_map, block_map_axes
 from neptune_fusion.runtime.reference import axis_extents, run_reference
@@ -337,7 +337,7 @@ class Compiled:
         """Compile (or fetch from cache) the kernels for these arguments (`plan` overrides the schedule)."""
         interpreter = interpreter_mode()
         device = _check_tensors(program, args, interpreter)
-        dtypes = {b.name: dtype_name(args[b.name].dtype) for b in program.inputs}
+        dtypes = {b.name: input_dtype_name(args[b.name].dtype) for b in program.inputs}
         main_dtype = next(dtypes[b.name] for b in program.inputs if args[b.name].is_floating_point())
         fused = _fuse_cached(program, 1)[-1].program
         fused, layout = _choose_layout(fused, axis_extents(fused, args))

@@ -49,6 +49,9 @@ _TORCH_DTYPES = {
 }
 
 
+_NARROW_INTS = (torch.int8, torch.int16, torch.uint8)
+
+
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype for our short name ('f16' -> torch.float16)."""
     return _TORCH_DTYPES[name]
@@ -134,6 +137,8 @@ class _Evaluator:
             return r.view(shape)
         if isinstance(expr, Load):
             buf = self.buffers[expr.buffer]
+            if buf.dtype in _NARROW_INTS:
+                buf = buf.to(torch.int32)  # as kernels widen them when loading
             idx = [self._index(i, frame) for i in expr.index]
             if not idx:
                 return buf

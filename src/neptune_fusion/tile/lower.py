@@ -54,6 +54,7 @@ BLOCK_MAP_ROW = "__row_tile__"
 BLOCK_MAP_TILE = "__tile__"
 STRIDE_PREFIX = "__stride__"
 FLOAT_DTYPES = ("f32", "f16", "bf16")
+NARROW_INT_DTYPES = ("i8", "i16", "u8")  # input element types only: widened to i32 when loaded
 
 
 @dataclass(frozen=True)
@@ -408,7 +409,7 @@ class KernelBuilder:
         scalar, tile, mask_axes = self.address(expr.buffer, expr.index)
         tma = self._tma_load(expr, scalar, ctx)
         if tma is not None:
-            return tma
+            return self._widened(tma)
         base = self.emit(scalar, ctx) if scalar is not None else None
         offset = self.emit(tile, ctx) if tile is not None else None
         mask: TVal | None = None
@@ -421,7 +422,11 @@ class KernelBuilder:
         zero = self.const(0)
         args = (base or zero, offset or zero) + ((mask,) if mask is not None else ())
         axes = offset.axes if offset is not None else ()
-        return self.op("load", axes, dtype, args, prefix="ld", buffer=expr.buffer)
+        return self._widened(self.op("load", axes, dtype, args, prefix="ld", buffer=expr.buffer))
+
+    def _widened(self, loaded: TVal) -> TVal:
+        """A narrow integer (int8, int16, uint8: read as stored) as int32, what integers compute in."""
+        return self.to(loaded, "i32") if loaded.dtype in NARROW_INT_DTYPES else loaded
 
     def _tma_load(self, expr: Load, scalar: Expr | None, ctx: _Ctx) -> TVal | None:
         """A 2-D tile read through a tensor descriptor (the copy engine), when the load is a plain
