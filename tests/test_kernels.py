@@ -277,3 +277,19 @@ def test_bfloat16_under_the_interpreter(schedule):
     expected = _torch_attention(q.float(), k.float(), v.float(), 0.2, mask=idx[:, None] >= idx[None, :])
     assert out.dtype == torch.bfloat16
     assert ((out.double() - expected).norm() / expected.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("make, error, message", [
+    (lambda: nf.flash(block_q=16.0), TypeError, r"block_q must be an int or None, got float 16.0"),
+    (lambda: nf.flash(num_warps="4"), TypeError, r"num_warps must be an int"),
+    (lambda: nf.flash(prefetch_dot=1), TypeError, r"prefetch_dot must be a bool"),
+    (lambda: nf.split_k(splits=2.5), TypeError, r"splits must be an int"),
+    (lambda: nf.autotune(max_candidates=None), TypeError, r"max_candidates must be an int"),
+    (lambda: nf.autotune(base="flash"), TypeError, r"base must be nf.flash\(\)"),
+    (lambda: nf.flash(block_q=24), ValueError, r"block_q must be a power of two >= 16, got 24"),
+])
+def test_schedule_arguments_are_validated_with_clear_errors(make, error, message):
+    """Types are checked before values (a regression: block_q=16.0 failed inside the check with
+    "unsupported operand type(s) for &")."""
+    with pytest.raises(error, match=message):
+        make()
