@@ -161,6 +161,12 @@ class SymTensor:
     def __or__(self, o: TensorLike) -> SymTensor:
         return binary("or", self, o)
 
+    def __xor__(self, o: TensorLike) -> SymTensor:
+        return _xor(self, o)
+
+    def __rxor__(self, o: TensorLike) -> SymTensor:
+        return _xor(o, self)
+
     def __invert__(self) -> SymTensor:
         return unary("not", self)
 
@@ -274,6 +280,15 @@ def _tracer_of(*values: object) -> object:
         if isinstance(v, SymTensor):
             return v.tracer
     raise TypeError("expected at least one symbolic tensor")
+
+
+def _xor(a: TensorLike, b: TensorLike) -> SymTensor:
+    """a ^ b of boolean masks: a != b (the IR has no bitwise xor of integers)."""
+    tracer = _tracer_of(a, b)
+    ta, tb = lift(a, tracer), lift(b, tracer)
+    if ta.kind != "bool" or tb.kind != "bool":
+        raise TypeError(f"^ (xor) is supported on boolean masks only, got {ta.kind} ^ {tb.kind}")
+    return binary("ne", ta, tb)
 
 
 def lift(value: TensorLike, tracer: object) -> SymTensor:
