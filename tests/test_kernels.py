@@ -166,6 +166,23 @@ def test_bad_inputs_raise_before_launch():
         fn(q, k, v, scale="x")
 
 
+def test_parameters_outside_the_kernel_ranges_raise_before_launch():
+    """Float parameters are float32 in kernels, int ones int32 (a regression: scale=1e300 returned NaN
+    silently, an int beyond int64 failed in Triton's specialisation)."""
+    q, k, v = _qkv(1, 1, 16, 16, 16, torch.float32)
+    with pytest.raises(ValueError, match=r"scalar parameter 'scale' = 1e\+300 is outside the float32 range"):
+        nf.compile(attention)(q, k, v, scale=1e300)
+
+    @nf.program
+    def shifted_sum(x, shift):
+        return nf.exp(x - x.max(axis=-1, keepdims=True)).sum(axis=-1) + shift
+
+    x = torch.randn(4, 16)
+    with pytest.raises(ValueError, match=r"scalar parameter 'shift' = 1180591620717411303424 is outside the int32"):
+        nf.compile(shifted_sum)(x, 2**70)
+    torch.testing.assert_close(nf.compile(shifted_sum)(x, 2**31 - 1), torch.softmax(x, -1).sum(-1) + (2**31 - 1))
+
+
 def test_cuda_required_outside_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     q, k, v = _qkv(1, 1, 16, 16, 16, torch.float32)

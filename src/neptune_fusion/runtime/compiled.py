@@ -118,6 +118,9 @@ class Executable:
     combine_tile: TileKernel | None = None  # split-K combine (its own launch, or called by the main kernel)
 
 
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
 def _check_tensors(program: Program, args: dict[str, Any], interpreter: bool) -> torch.device:
     device: torch.device | None = None
     float_dtype: torch.dtype | None = None
@@ -150,6 +153,11 @@ def _check_tensors(program: Program, args: dict[str, Any], interpreter: bool) ->
             raise TypeError(f"scalar parameter {p!r} must be a Python int or float, got {type(v).__name__}")
         if isinstance(v, float) and not math.isfinite(v):
             raise ValueError(f"scalar parameter {p!r} must be finite, got {v}")
+        # kernels take float parameters as float32 and int parameters as int32
+        if isinstance(v, float) and abs(v) > _FLOAT32_MAX:
+            raise ValueError(f"scalar parameter {p!r} = {v} is outside the float32 range kernels compute in")
+        if isinstance(v, int) and not -2**31 <= v < 2**31:
+            raise ValueError(f"scalar parameter {p!r} = {v} is outside the int32 range kernels compute in")
     axis_extents(program, args)
     return device
 
