@@ -9,7 +9,13 @@ import sympy as sp
 import torch
 
 from neptune_fusion.algebra import symbolic as S  # noqa: N812
-from neptune_fusion.algebra.repair import contribution_vanishes, derive_repair, polynomial_split, separable_split
+from neptune_fusion.algebra.repair import (
+    contribution_vanishes,
+    derive_repair,
+    polynomial_split,
+    repair_finite_from_identity,
+    separable_split,
+)
 from neptune_fusion.ir.errors import FusionError
 from neptune_fusion.ir.expr import (
     Accumulator,
@@ -227,6 +233,24 @@ def test_derivation_is_cached():
     a = derive_repair("u", "sum", "j", g, ("m",))
     b = derive_repair("u", "sum", "j", g, ("m",))
     assert a is b
+
+
+def test_finiteness_sympy_cannot_decide_is_answered_no():
+    """t * max(1, r^2) / max(1, r'^2) at r = -inf: SymPy's limit of a Max is not implemented (a
+    regression: its NotImplementedError escaped the split-K combine). "Not finite" is the safe answer."""
+    old, new = Running("m", "old"), Running("m", "new")
+    h = Accumulator() * Binary("max", Const(1.0), old * old) / Binary("max", Const(1.0), new * new)
+    assert repair_finite_from_identity(h, "m", -math.inf) is False
+    assert repair_finite_from_identity(Accumulator() * exp(old - new), "m", -math.inf) is True
+
+
+def test_sympy_failures_in_a_derivation_become_fusion_errors(monkeypatch):
+    def unsupported(value: object) -> object:
+        raise NotImplementedError("no series for Max")
+
+    monkeypatch.setattr(S, "simplify", unsupported)
+    with pytest.raises(FusionError, match=r"repair derivation.*l_sympy.*sum over j.*SymPy.*NotImplementedError"):
+        derive_repair("l_sympy", "sum", "j", exp(S_IJ - M), ("m",))
 
 
 # --------------------------------------------------------------------------- contribution_vanishes

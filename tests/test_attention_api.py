@@ -153,6 +153,22 @@ def test_document_mask(dtype):
     check(q, k, v, expected_attention(q, k, v, mask=same & (i >= j)), mask_mod=and_masks(document_mask, causal))
 
 
+@pytest.mark.parametrize("id_dtype", [torch.int8, torch.int16, torch.uint8])
+def test_document_ids_in_narrow_integer_dtypes(id_dtype):
+    """int8 / int16 / uint8 captured tensors are read as stored and widened to int32 (a regression:
+    they passed the argument check, then failed with an unhelpful dtype error)."""
+    lengths = [10, 25, 7, 22]
+    document_id = torch.cat([torch.full((n,), 200 + i if id_dtype == torch.uint8 else i, dtype=id_dtype)
+                             for i, n in enumerate(lengths)])
+
+    def document_mask(b, h, q_idx, kv_idx):
+        return (document_id[q_idx] == document_id[kv_idx]) & (document_id[kv_idx] * 100 + kv_idx >= 0)
+
+    q, k, v = make_qkv(1, 2, 64, 64, 16, torch.float32)
+    same = document_id[:, None] == document_id[None, :]
+    check(q, k, v, expected_attention(q, k, v, mask=same), mask_mod=document_mask)
+
+
 def test_document_mask_with_offsets():
     """attention-gym's doc mask: causal in each document's own positions (nested gathers)."""
     lengths = [20, 30, 14]
@@ -287,6 +303,40 @@ def test_captured_scalar_tensor_and_torch_ops():
     check(q, k, v, expected_attention(q, k, v, score_fn=score_fn), score_mod=score_mod)
 
 
+def test_trunc_division_with_a_python_number_divisor():
+    """torch.div(x, 4, rounding_mode="trunc") (a regression: the sign test built an op on two Python
+    numbers and crashed). The same function run on torch tensors gives the expectation."""
+
+    def blocks(b, h, q_idx, kv_idx):
+        same_block = torch.div(q_idx, 4, rounding_mode="trunc") == torch.div(kv_idx, 4, rounding_mode="trunc")
+        return same_block | (torch.div(q_idx - kv_idx, -3, rounding_mode="trunc") == 0)
+
+    q, k, v = make_qkv(1, 2, 32, 32, 16, torch.float32)
+    i, j = positions(32, 32)
+    check(q, k, v, expected_attention(q, k, v, mask=blocks(None, None, i, j)), mask_mod=blocks)
+
+
+def test_sign_of_scores_and_of_index_differences():
+    """torch.sign (a regression: -1 was built as an op on two Python numbers and crashed)."""
+
+    def signs(score, b, h, q_idx, kv_idx):
+        return score + torch.sign(score) + 0.1 * torch.sign(q_idx - kv_idx)
+
+    q, k, v = make_qkv(1, 2, 32, 32, 16, torch.float32)
+    i, j = positions(32, 32)
+    check(q, k, v, expected_attention(q, k, v, score_fn=lambda s: signs(s, None, None, i, j)), score_mod=signs)
+
+
+def test_float_floor_division_of_scores():
+    """score // 0.5 (a regression: Triton's // on floats failed inside the kernel)."""
+
+    def quantised(score, b, h, q_idx, kv_idx):
+        return (score // 0.5) * 0.5
+
+    q, k, v = make_qkv(1, 2, 32, 32, 16, torch.float32)
+    check(q, k, v, expected_attention(q, k, v, score_fn=lambda s: torch.floor_divide(s, 0.5) * 0.5), score_mod=quantised)
+
+
 # --------------------------------------------------------------------------- GQA, shapes, schedules
 
 
@@ -306,6 +356,41 @@ def test_window_softcap_gqa(dtype):
     expected = expected_attention(q, k, v, score_fn=lambda s: soft_cap * torch.tanh(s / soft_cap),
                                   mask=(i >= j) & (i - j <= window))
     check(q, k, v, expected, score_mod=tanh_softcap, mask_mod=sliding_window, enable_gqa=True)
+
+
+def test_integer_and_float_constants_of_equal_value_stay_apart():
+    """GQA 6/2 divides the head by the int 3, softcap 3 divides scores by the float 3.0: equal in
+    Python, different in a kernel (a regression: one memoised constant served both, and the integer
+    division ran on float32)."""
+
+    def softcap_3(score, b, h, q_idx, kv_idx):
+        return 3.0 * torch.tanh(score / 3.0) + ((q_idx - kv_idx) // 3) * 0.1
+
+    q, k, v = make_qkv(1, 6, 16, 16, 16, torch.float32, hkv=2)
+    i, j = positions(16, 16)
+    expected = expected_attention(q, k, v, score_fn=lambda s: 3.0 * torch.tanh(s / 3.0) + ((i - j) // 3) * 0.1)
+    check(q, k, v, expected, score_mod=softcap_3, enable_gqa=True)
+    assert Const(3) != Const(3.0) and Const(1) != Const(True) and Const(3) == Const(3)
+
+
+def test_captured_cpu_scalar_is_copied_to_the_inputs_device_once_per_version():
+    """A 0-d CPU tensor captured with inputs on another device (here `meta`, standing in for CUDA)
+    is copied there per call site version: the same copy while it is unchanged, a new one after an
+    in-place update (a regression: the copy made at the first trace was passed forever)."""
+    q = torch.empty(1, 2, 16, 16, device="meta")
+    cap = torch.tensor(1.0)
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return cap * torch.tanh(score / cap)
+
+    first = nf.attention_inputs(q, q, q, score_mod=softcap)
+    (name,) = [n for n in first if n.startswith("cap")]
+    assert first[name].device.type == "meta"
+    assert nf.attention_inputs(q, q, q, score_mod=softcap)[name] is first[name]
+    cap.fill_(20.0)
+    updated = nf.attention_inputs(q, q, q, score_mod=softcap)[name]
+    assert updated is not first[name] and updated.device.type == "meta"
+    assert attention_module.scalar_on_device(cap, q.device) is updated
 
 
 def test_gqa_program_reads_kv_head_h_div_group():

@@ -166,6 +166,23 @@ def test_bad_inputs_raise_before_launch():
         fn(q, k, v, scale="x")
 
 
+def test_parameters_outside_the_kernel_ranges_raise_before_launch():
+    """Float parameters are float32 in kernels, int ones int32 (a regression: scale=1e300 returned NaN
+    silently, an int beyond int64 failed in Triton's specialisation)."""
+    q, k, v = _qkv(1, 1, 16, 16, 16, torch.float32)
+    with pytest.raises(ValueError, match=r"scalar parameter 'scale' = 1e\+300 is outside the float32 range"):
+        nf.compile(attention)(q, k, v, scale=1e300)
+
+    @nf.program
+    def shifted_sum(x, shift):
+        return nf.exp(x - x.max(axis=-1, keepdims=True)).sum(axis=-1) + shift
+
+    x = torch.randn(4, 16)
+    with pytest.raises(ValueError, match=r"scalar parameter 'shift' = 1180591620717411303424 is outside the int32"):
+        nf.compile(shifted_sum)(x, 2**70)
+    torch.testing.assert_close(nf.compile(shifted_sum)(x, 2**31 - 1), torch.softmax(x, -1).sum(-1) + (2**31 - 1))
+
+
 def test_cuda_required_outside_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     q, k, v = _qkv(1, 1, 16, 16, 16, torch.float32)
@@ -277,3 +294,19 @@ def test_bfloat16_under_the_interpreter(schedule):
     expected = _torch_attention(q.float(), k.float(), v.float(), 0.2, mask=idx[:, None] >= idx[None, :])
     assert out.dtype == torch.bfloat16
     assert ((out.double() - expected).norm() / expected.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("make, error, message", [
+    (lambda: nf.flash(block_q=16.0), TypeError, r"block_q must be an int or None, got float 16.0"),
+    (lambda: nf.flash(num_warps="4"), TypeError, r"num_warps must be an int"),
+    (lambda: nf.flash(prefetch_dot=1), TypeError, r"prefetch_dot must be a bool"),
+    (lambda: nf.split_k(splits=2.5), TypeError, r"splits must be an int"),
+    (lambda: nf.autotune(max_candidates=None), TypeError, r"max_candidates must be an int"),
+    (lambda: nf.autotune(base="flash"), TypeError, r"base must be nf.flash\(\)"),
+    (lambda: nf.flash(block_q=24), ValueError, r"block_q must be a power of two >= 16, got 24"),
+])
+def test_schedule_arguments_are_validated_with_clear_errors(make, error, message):
+    """Types are checked before values (a regression: block_q=16.0 failed inside the check with
+    "unsupported operand type(s) for &")."""
+    with pytest.raises(error, match=message):
+        make()

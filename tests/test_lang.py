@@ -550,3 +550,25 @@ def test_unsupported_dtype(randn):
 
     with pytest.raises(TypeError, match="unsupported dtype"):
         f.trace(randn(2, 3))
+
+
+def test_xor_of_boolean_masks(randn):
+    """`a ^ b` on masks is a != b, like torch.logical_xor (a regression: SymTensor had no __xor__)."""
+
+    @nf.program
+    def f(x):
+        i, j = nf.index(x, 0), nf.index(x, 1)
+        return nf.where((i >= j) ^ (j % 2 == 0), x, 0.0).sum(axis=-1)
+
+    x = randn(6, 8)
+    i, j = torch.arange(6)[:, None], torch.arange(8)[None, :]
+    expected = torch.where((i >= j) ^ (j % 2 == 0), x, 0.0).sum(-1)
+    torch.testing.assert_close(nf.run_reference(f.trace(x), {"x": x}), expected)
+    torch.testing.assert_close(nf.compile(f)(x), expected)
+
+    @nf.program
+    def g(x):
+        return nf.where((nf.index(x, 1) ^ 3) > 0, x, 0.0).sum(axis=-1)
+
+    with pytest.raises(TypeError, match=r"\^ \(xor\) is supported on boolean masks only, got int \^ int"):
+        g.trace(x)

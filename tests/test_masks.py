@@ -103,6 +103,41 @@ def test_document_block_map_is_built_once_and_shared():
     torch.testing.assert_close(out, torch.softmax(s, -1) @ v)
 
 
+def _table_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    s = (q @ k.mT / 4.0).masked_fill(~visible, float("-inf"))
+    return torch.softmax(s, -1).nan_to_num(0.0) @ v
+
+
+def test_block_map_of_a_transposed_view_is_not_the_original_map():
+    """A transposed view has the address, version and (square) shape of its base: strides tell them apart."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 32, 16, generator=g) for _ in range(3))
+    table = torch.zeros(32, 32, dtype=torch.bool)
+    table[:, :8] = True
+    for visible in (table, table.T):
+        out = nf.attention(q, k, v, mask_mod=lambda b, h, qi, ki, t=visible: t[qi, ki],
+                           schedule=nf.flash(block_q=16, block_k=16))
+        torch.testing.assert_close(out, _table_attention(q, k, v, visible))
+
+
+def test_block_map_of_a_new_tensor_at_an_old_address_is_rebuilt():
+    """A new tensor over the same memory (like one allocated where a freed one was) starts at version 0."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 64, 16, generator=g) for _ in range(3))
+    memory = np.zeros(64, dtype=np.int64)
+    first = torch.from_numpy(memory)
+    nf.attention(q, k, v, mask_mod=lambda b, h, qi, ki: first[qi] == first[ki],
+                 schedule=nf.flash(block_q=16, block_k=16))
+    memory[:] = np.arange(64) * 4 // 64  # four documents, written where torch does not count versions
+    second = torch.from_numpy(memory)
+    assert (second.data_ptr(), second._version) == (first.data_ptr(), first._version)
+    out = nf.attention(q, k, v, mask_mod=lambda b, h, qi, ki: second[qi] == second[ki],
+                       schedule=nf.flash(block_q=16, block_k=16))
+    torch.testing.assert_close(out, _table_attention(q, k, v, second[:, None] == second[None, :]))
+
+
 @pytest.mark.parametrize("kind", ["prefix", "window_or_sink"])
 def test_unions_of_affine_regions_skip_tiles(kind):
     """prefix-LM (kv < P | q >= kv) and attention sinks (kv < 4 | window) are unions of affine boxes."""

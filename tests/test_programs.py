@@ -14,6 +14,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import neptune_fusion as nf  # noqa: E402
+from neptune_fusion.runtime.compiled import kernel_name  # noqa: E402
 from neptune_fusion.schedule.pipeline import fuse  # noqa: E402
 from neptune_fusion.transform.inline import inline_elementwise  # noqa: E402
 from neptune_fusion.transform.normalize import hoist_invariant_factors  # noqa: E402
@@ -231,6 +232,33 @@ def test_a_max_that_has_seen_nothing_is_not_rescaled_into_nan(schedule):
 
 
 @nf.program
+def sum_after_a_max_of_masked_rows(x):
+    m = nf.where(nf.index(x, 0) >= 2, x, -nf.inf).max(axis=-1, keepdims=True)  # rows 0, 1: -inf
+    return nf.exp((x - m) * -1.0).sum(axis=-1), nf.exp(x - m).sum(axis=-1)  # 0 and inf there
+
+
+@nf.program
+def sum_after_a_max_of_masked_columns(x):
+    m = nf.where(nf.index(x, 1) >= 20, x, -nf.inf).max(axis=-1, keepdims=True)  # the first tile sees -inf only
+    return nf.exp(x - m).sum(axis=-1)
+
+
+@pytest.mark.parametrize("schedule", [None, nf.flash(block_q=16, block_k=16), nf.split_k(splits=4, block_k=16)])
+@pytest.mark.parametrize("program", [sum_after_a_max_of_masked_rows, sum_after_a_max_of_masked_columns])
+def test_sum_reading_a_max_that_saw_only_minus_inf_matches_the_reference(program, schedule):
+    """The sum reads x where the max saw -inf, so its terms computed with the stand-in 0 for the
+    running max count: they are repaired from 0 (a regression: they were kept as if computed with
+    the final max, and a max that ended at -inf was taken as 0)."""
+    x = randn(4, 64)
+    expected = nf.run_reference(program.trace(x), {"x": x})
+    out = nf.compile(program, schedule=schedule)(x)
+    for got, want in zip(out if isinstance(out, tuple) else (out,), expected if isinstance(expected, tuple) else (expected,)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    if program is sum_after_a_max_of_masked_rows:
+        assert out[0][:2].eq(0).all() and out[1][:2].isinf().all()
+
+
+@nf.program
 def max_attention_weighted_value(x, y):
     m = x.max(axis=-1, keepdims=True)
     e = nf.exp(x - m)
@@ -249,6 +277,24 @@ def test_max_of_softmax_weighted_values():
     assert fn.executable_for(fn.program_def.trace(**named), named).plan.splits == 1
     with pytest.raises(nf.FusionError, match="over split"):
         nf.compile(max_attention_weighted_value, schedule=nf.split_k(splits=3))(x, y)
+
+
+@nf.program
+def max_of_weights_masked_in_the_first_tile(x, y):
+    x = nf.where(nf.index(x, 1) >= 20, x, -nf.inf)
+    e = nf.exp(x - x.max(axis=-1, keepdims=True))
+    return (e * y / e.sum(axis=-1, keepdims=True)).max(axis=-1)
+
+
+def test_a_running_sum_still_at_zero_is_stood_in_for_as_the_reference_does():
+    """The first tile is masked: the running sum is 0 there, and e * y / 0 = nan. Like the
+    reference executor the kernel computes with 1 there and repairs from it (a regression: nan)."""
+    x, y = randn(4, 64), randn(4, 64)
+    expected = nf.run_reference(max_of_weights_masked_in_the_first_tile.trace(x, y), {"x": x, "y": y})
+    out = nf.compile(max_of_weights_masked_in_the_first_tile, schedule=nf.flash(block_q=16, block_k=16))(x, y)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    visible = torch.arange(64) >= 20
+    torch.testing.assert_close(out, (torch.softmax(x[:, visible], -1) * y[:, visible]).amax(-1), rtol=1e-5, atol=1e-6)
 
 
 def test_basis_expansion_of_entropy_translation_validation():
@@ -309,3 +355,73 @@ def test_softmax_over_a_middle_axis():
 
     x = randn(3, 50, 7)
     torch.testing.assert_close(nf.compile(softmax_mid)(x), torch.softmax(x, 1))
+
+
+@nf.program
+def window_attention_of_width(q, k, v, width):
+    s = nf.einsum("bhqd,bhkd->bhqk", q, k) * 0.25
+    i, j = nf.index(s, -2), nf.index(s, -1)
+    s = nf.where((i >= j) & (i - j <= width), s, -nf.inf)
+    p = nf.exp(s - s.max(axis=-1, keepdims=True))
+    return nf.einsum("bhqk,bhkd->bhqd", p, v) / p.sum(axis=-1, keepdims=True)
+
+
+def test_a_parameter_first_int_then_float_gets_its_own_kernel():
+    """The fingerprint (the kernel cache key) includes the parameter kinds: an int width makes
+    integer loop bounds, so a later float width must not reuse that kernel (a regression: crash)."""
+    q, k, v = (randn(1, 1, 32, 16) for _ in range(3))
+    fn = nf.compile(window_attention_of_width)
+    i, j = torch.arange(32)[:, None], torch.arange(32)[None, :]
+    for width in (4, 4.5, 2.5):
+        s = (q @ k.mT * 0.25).masked_fill(~((i >= j) & (i - j <= width)), float("-inf"))
+        torch.testing.assert_close(fn(q, k, v, width=width), torch.softmax(s, -1) @ v)
+    as_int = window_attention_of_width.trace(q, k, v, width=4)
+    as_float = window_attention_of_width.trace(q, k, v, width=4.5)
+    assert as_int.param_kinds != as_float.param_kinds and as_int.fingerprint() != as_float.fingerprint()
+
+
+def test_a_lambda_program_compiles_to_a_kernel_with_an_identifier_name():
+    """nf.program(lambda ...) is named "<lambda>" (a regression: the kernel nf_<lambda> did not parse)."""
+    softmax = nf.program(lambda x: nf.exp(x - x.max(axis=-1, keepdims=True))
+                         / nf.exp(x - x.max(axis=-1, keepdims=True)).sum(axis=-1, keepdims=True))
+    x = randn(4, 32)
+    torch.testing.assert_close(nf.compile(softmax)(x), torch.softmax(x, -1))
+    assert kernel_name("<lambda>").isidentifier() and kernel_name("größe-2").isidentifier()
+
+
+@nf.program
+def float_floor_division_and_modulo(x, y):
+    return (x // y).sum(axis=-1), (x % y).sum(axis=-1), (x // 0.1).sum(axis=-1)
+
+
+def test_float_floor_division_and_modulo_match_torch():
+    """Float `//` lowers to a floor division from the remainder (a regression: Triton's // on
+    floats failed); it is exact where floor(x / y) is not (1.0 // 0.1 is 9.0). One element per row."""
+    x = torch.tensor([1.0, -1.0, 5.5, -5.5, 0.3, -0.3, 7.0, 0.0, -0.0, 2.5, 100.0, -7.25, 1e-3, 3.3, 0.7, 1.0])
+    y = torch.tensor([0.1, 0.1, 2.0, 2.0, 0.1, -0.1, -2.0, 0.5, 0.5, -0.5, 0.3, 0.25, 0.1, 1.1, 0.1, -0.0])
+    x, y = x[:, None], y[:, None]
+    quotient, remainder, by_constant = nf.compile(float_floor_division_and_modulo)(x, y)
+    torch.testing.assert_close(quotient, torch.floor_divide(x, y)[:, 0], rtol=0, atol=0)
+    torch.testing.assert_close(remainder, torch.remainder(x, y)[:, 0], rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(by_constant, torch.floor_divide(x, 0.1)[:, 0], rtol=0, atol=0)
+    assert quotient[0] == 9.0
+
+
+@nf.program
+def sum_where_kept(x, keep, offset):
+    return nf.where(keep[nf.index(x, -1)] * 100 + offset[nf.index(x, -1)] > 150, x, 0.0).sum(axis=-1)
+
+
+def test_narrow_integer_inputs_are_widened_to_int32():
+    """uint8 and int16 inputs (keep * 100 would wrap in 8 bits: the kernel and the reference compute in int32)."""
+    x = randn(4, 16)
+    keep = (torch.arange(16) % 3 == 0).to(torch.uint8) * 2
+    offset = torch.arange(16, dtype=torch.int16) - 8
+    out = nf.compile(sum_where_kept)(x, keep, offset)
+    wide = keep.to(torch.int32) * 100 + offset.to(torch.int32)
+    expected = torch.where(wide > 150, x, 0.0).sum(-1)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(nf.run_reference(sum_where_kept.trace(x, keep, offset),
+                                                {"x": x, "keep": keep, "offset": offset}), expected)
+    with pytest.raises(TypeError, match=r"argument 'keep'.*unsupported dtype torch.uint16.*supported"):
+        nf.compile(sum_where_kept)(x, keep.to(torch.uint16), offset)

@@ -246,3 +246,18 @@ def test_separate_combine_uses_programmatic_dependent_launch_on_hopper(monkeypat
         assert first_statement == "tl.extra.cuda.gdc_wait()"
     else:
         assert "gdc_" not in exe.main.source + exe.combine.source
+
+
+@nf.program
+def min_normalised_by_a_clamped_square_of_the_max(x):
+    m = x.max(axis=-1, keepdims=True)
+    return (x / nf.maximum(m * m, m * 0 + 1.0)).min(axis=-1)
+
+
+@pytest.mark.parametrize("schedule", [None, nf.split_k(splits=4, block_k=16)])
+def test_split_k_merge_whose_finiteness_sympy_cannot_decide(schedule):
+    """The merge asks whether the repair stays finite from a chunk's -inf max: SymPy cannot take that
+    limit of a Max (a regression: NotImplementedError); the merge stands in a finite value instead."""
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
+    out = nf.compile(min_normalised_by_a_clamped_square_of_the_max, schedule=schedule)(x)
+    torch.testing.assert_close(out, (x / torch.clamp(x.amax(-1, keepdim=True) ** 2, min=1.0)).amin(-1))

@@ -13,6 +13,7 @@ Example:
     >>> from neptune_fusion.ir.expr import Index, Load, Unary
     >>> g = Unary("exp", Load("s", (Index("j"),)) - Load("m", ()))
     >>> from neptune_fusion.ir.printer import format_expr
+from neptune_fusion.ir.program import Stage
     >>> format_expr(derive_repair("l", "sum", "j", g, ("m",)).h)
     't * exp(m.old - m.new)'
 """
@@ -38,6 +39,7 @@ from neptune_fusion.ir.expr import (
     walk,
 )
 from neptune_fusion.ir.printer import format_expr
+from neptune_fusion.ir.program import Stage
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,16 @@ def derive_repair(stage: str, reducer: str, axis: str, g: Expr, producers: tuple
     positive maps, `positive_map`); the proofs may use it. Raises FusionError naming the stage, the
     reduction and the condition that failed.
     """
-    return _derive_cached(stage, reducer, axis, g, tuple(sorted(producers)), frozenset(positive) & set(producers))
+    try:
+        return _derive_cached(stage, reducer, axis, g, tuple(sorted(producers)), frozenset(positive) & set(producers))
+    except _SYMPY_FAILURES as exc:
+        raise FusionError("repair derivation", stage, f"{reducer} over {axis}",
+                          f"the algebra (SymPy) could not decide a condition on the map {format_expr(g)}: "
+                          f"{type(exc).__name__}: {exc}") from None
+
+
+# what SymPy raises on forms it cannot handle (limits, series and comparisons of Max, Piecewise, ...)
+_SYMPY_FAILURES = (NotImplementedError, TypeError, ValueError, ArithmeticError, RecursionError)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -183,11 +194,29 @@ def contribution_vanishes(g: Expr, masked: Expr, value: float, identity: float, 
     return bool(at == (-inf if identity < 0 else inf))
 
 
+def terms_vanish_while_identity(member: Stage, producer: Stage, producers: tuple[str, ...]) -> bool:
+    """True when every term of `member` is its reducer's identity wherever the term of the max/min
+    `producer` is its identity, whatever the (finite) running values.
+
+    Then, while the producer's running value is still its identity, the member has seen only
+    identities too, so standing in any value for the producer there needs no repair later
+    (attention: exp(-inf - m) = 0 for every m). When it is false (`sum exp(x - max(where(c, x,
+    -inf)))` reads `x` where the max saw -inf), the terms computed with the stand-in count and must
+    be repaired from it.
+    """
+    assert isinstance(member.body, Reduce) and isinstance(producer.body, Reduce)
+    assert member.reduce_op is not None and producer.reduce_op is not None
+    return contribution_vanishes(member.body.body, producer.body.body, REDUCER_IDENTITY[producer.reduce_op],
+                                 REDUCER_IDENTITY[member.reduce_op], producers)
+
+
 def repair_finite_from_identity(h: Expr, producer: str, identity: float) -> bool:
     """True when h stays finite as the old running value of `producer` is its reducer's identity.
 
     For `t * exp(r - r')` at r = -inf the factor is 0: a chunk that saw nothing repairs to 0 by
     itself. For `t * (r / r')**2` it is infinite, so the caller must not apply h to such a chunk.
+    False also when SymPy cannot tell (its limit of a Max is not implemented): the caller then
+    stands in a finite value, which is exact either way.
     """
     import sympy as sp
 
@@ -197,7 +226,10 @@ def repair_finite_from_identity(h: Expr, producer: str, identity: float) -> bool
         return False
     old = table.old(producer)
     value = sym.subs(S.symbol("t"), 1)
-    value = sp.limit(value, old, -sp.oo if identity < 0 else sp.oo)
+    try:
+        value = sp.limit(value, old, -sp.oo if identity < 0 else sp.oo)
+    except _SYMPY_FAILURES:
+        return False
     return bool(value.is_finite)
 
 

@@ -31,9 +31,22 @@ def _floordiv(a, b):
 
 @triton.jit
 def _mod(a, b):
-    # Python's modulo (the sign of the divisor)
+    # Python's modulo (the sign of the divisor); on floats % is fmod, so this holds for them too
     r = a % b
     return tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
+
+
+@triton.jit
+def _floordiv_float(a, b):
+    # Python's (and torch's) float floor division, exact where floor(a / b) rounds across an
+    # integer (1.0 // 0.1 is 9.0): from the remainder, as CPython's float_floor_div computes it
+    r = a % b
+    q = (a - r) / b
+    q = tl.where((r != 0) & ((r < 0) != (b < 0)), q - 1.0, q)
+    f = tl.floor(q)
+    f = tl.where(q - f > 0.5, f + 1.0, f)
+    f = tl.where(q == 0, (a / b) * 0.0, f)  # a zero quotient keeps the sign of a / b
+    return tl.where(b == 0, a / b, f)
 '''
 
 _TANH_CUDA = '''
@@ -105,9 +118,12 @@ class _Printer:
             return _UNARY[at["op"]].format(self.ref(a[0], out.axes))
         if k == "binary":
             op_name = at["op"]
-            if op_name in ("floordiv", "mod") and not out.axes:
+            floating = out.dtype in ("f32", "f16", "bf16")
+            if op_name in ("floordiv", "mod") and not out.axes and not floating:
                 # scalar index arithmetic of the launch grid is never negative
                 return ("{} // {}" if op_name == "floordiv" else "{} % {}").format(a[0].name, a[1].name)
+            if op_name == "floordiv" and floating:  # Triton's // is for integers only
+                return f"_floordiv_float({self.ref(a[0], out.axes)}, {self.ref(a[1], out.axes)})"
             return "(" + _BINARY[op_name].format(self.ref(a[0], out.axes), self.ref(a[1], out.axes)) + ")"
         if k == "where":
             return f"tl.where({', '.join(self.ref(x, out.axes) for x in a)})"

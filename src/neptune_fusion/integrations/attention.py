@@ -40,6 +40,7 @@ import functools
 import inspect
 import math
 import types
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -237,6 +238,24 @@ def _fn_key(fn: Any, tensors: list[torch.Tensor], seen: set[int], depth: int = 0
     return ("fn", fn.__code__, tuple(cells), globs, defaults, kwdefaults)
 
 
+# (id of a captured 0-d tensor, device) -> (weak reference to it, its version when copied, the copy)
+_scalar_copies: OrderedDict[tuple[int, str], tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = OrderedDict()
+
+
+def scalar_on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` (a 0-d tensor) on `device`: one copy per version of `t`, so repeated calls do not copy
+    again and in-place updates (`cap.fill_(20.0)`) are seen. The weak reference tells a new tensor
+    that reuses a freed one's id from the one copied."""
+    key = (id(t), str(device))
+    hit = _scalar_copies.get(key)
+    if hit is not None and hit[0]() is t and hit[1] == t._version:
+        _scalar_copies.move_to_end(key)
+        return hit[2]
+    copy = t.to(device)
+    _remember(_scalar_copies, key, (weakref.ref(t), t._version, copy), _MAX_PROGRAMS)
+    return copy
+
+
 @dataclass
 class _Traced:
     program: Program
@@ -296,9 +315,11 @@ def _resolve(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod: Any, 
     args: dict[str, Any] = {"q": q, "k": k, "v": v, "scale": scale}
     for name, src in zip(entry.names, entry.sources, strict=True):
         t = src if isinstance(src, torch.Tensor) else found[src]
-        if t.device != q.device and t.dim() > 0:
-            raise ValueError(f"a tensor captured by score_mod/mask_mod (shape {tuple(t.shape)}) is on {t.device}, "
-                             f"but query is on {q.device}")
+        if t.device != q.device:
+            if t.dim() > 0:
+                raise ValueError(f"a tensor captured by score_mod/mask_mod (shape {tuple(t.shape)}) is on {t.device}, "
+                                 f"but query is on {q.device}")
+            t = scalar_on_device(t, q.device)  # a scalar made on the CPU, e.g. torch.tensor(50.0)
         args[name] = t
     return _Call(entry.program, args, (fns, return_lse))
 

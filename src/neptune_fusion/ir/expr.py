@@ -29,6 +29,10 @@ BINARY_OPS = (
 COMPARISONS = ("lt", "le", "gt", "ge", "eq", "ne")
 REDUCERS = ("sum", "max", "min", "prod")
 REDUCER_IDENTITY: dict[str, float] = {"sum": 0.0, "max": -math.inf, "min": math.inf, "prod": 1.0}
+# What a fused loop computes its readers with while a running value is still its reducer's
+# identity: finite (max/min: 0, so no inf - inf; sum: 1, so no division by zero). Exact as long
+# as the readers are repaired from the same stand-in (the repair's replacement condition).
+RUNNING_STAND_IN: dict[str, float] = {"max": 0.0, "min": 0.0, "sum": 1.0}
 DTYPES = ("f32", "f16", "bf16", "i32", "i64", "bool")
 
 
@@ -77,6 +81,17 @@ class Const(Expr):
 
     def __repr__(self) -> str:
         return f"Const({self.value!r})"
+
+    # Equal Python numbers of different types (3, 3.0, True == 1) are different constants: they
+    # lower to different dtypes (3 // 2 is integer division, 3.0 // 2 is not), so expressions
+    # that hold them must not be merged by structural equality (memo tables, CSE, caches).
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Const):
+            return NotImplemented
+        return (type(self.value), self.value) == (type(other.value), other.value)
+
+    def __hash__(self) -> int:
+        return hash((Const, type(self.value), self.value))
 
 
 @dataclass(frozen=True, eq=True)

@@ -156,6 +156,8 @@ class Program:
             return self._fingerprint
         text = format_program(self) + repr(self.axis_sizes) + repr(self.inputs) + repr(self.derived_axes)
         text += repr([(o.dims, o.view) for o in self.outputs])
+        # kernels specialise on them: an int parameter is an i32 argument (integer loop bounds)
+        text += repr(sorted(self.param_kinds.items()))
         self._fingerprint = hashlib.sha256(text.encode()).hexdigest()[:16]
         return self._fingerprint
 

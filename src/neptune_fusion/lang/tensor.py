@@ -161,6 +161,12 @@ class SymTensor:
     def __or__(self, o: TensorLike) -> SymTensor:
         return binary("or", self, o)
 
+    def __xor__(self, o: TensorLike) -> SymTensor:
+        return _xor(self, o)
+
+    def __rxor__(self, o: TensorLike) -> SymTensor:
+        return _xor(o, self)
+
     def __invert__(self) -> SymTensor:
         return unary("not", self)
 
@@ -276,6 +282,15 @@ def _tracer_of(*values: object) -> object:
     raise TypeError("expected at least one symbolic tensor")
 
 
+def _xor(a: TensorLike, b: TensorLike) -> SymTensor:
+    """a ^ b of boolean masks: a != b (the IR has no bitwise xor of integers)."""
+    tracer = _tracer_of(a, b)
+    ta, tb = lift(a, tracer), lift(b, tracer)
+    if ta.kind != "bool" or tb.kind != "bool":
+        raise TypeError(f"^ (xor) is supported on boolean masks only, got {ta.kind} ^ {tb.kind}")
+    return binary("ne", ta, tb)
+
+
 def lift(value: TensorLike, tracer: object) -> SymTensor:
     """Wrap a Python scalar (or a scalar `Param` expression) as a rank-0 tensor."""
     if isinstance(value, SymTensor):
@@ -370,6 +385,22 @@ _DTYPE_NAMES = {
     "bool": "bool", "f32": "f32", "f16": "f16", "bf16": "bf16", "i32": "i32", "i64": "i64",
     "float": "f32", "half": "f16",
 }
+
+
+# integer inputs narrower than 32 bits: loaded as stored, widened to int32 at once (a kernel
+# computes indices and comparisons in int32; a cast to them is not supported)
+NARROW_INT_DTYPES = {"int8": "i8", "int16": "i16", "uint8": "u8"}
+
+
+def input_dtype_name(dtype: object) -> str:
+    """Our short name for the dtype of an input tensor: a cast target or a narrow integer ('int8' -> 'i8')."""
+    key = str(dtype).replace("torch.", "")
+    if key in NARROW_INT_DTYPES:
+        return NARROW_INT_DTYPES[key]
+    if key not in _DTYPE_NAMES:
+        raise TypeError(f"unsupported dtype {dtype!r}; supported: float32, float16, bfloat16, int64, int32, int16, "
+                        "int8, uint8, bool")
+    return _DTYPE_NAMES[key]
 
 
 def dtype_name(dtype: object) -> str:

@@ -48,9 +48,12 @@ class CaptureTable:
     """
 
     def __init__(self, device: torch.device | None = None, prefix: str = "cap") -> None:
-        self.device = device
+        self.device = device  # the inputs' device: what `x.device` of a symbolic tensor reports
         self.prefix = prefix
-        self.tensors: list[torch.Tensor] = []  # also keeps them alive, so ids stay unique
+        # the tensors as the traced code holds them (a 0-d CPU scalar stays on the CPU: the caller
+        # moves it to the inputs' device per call, so its in-place updates are seen); the list also
+        # keeps them alive, so ids stay unique
+        self.tensors: list[torch.Tensor] = []
         self.names: list[str] = []
         self._inputs: dict[int, SymTensor] = {}
 
@@ -64,8 +67,6 @@ class CaptureTable:
                 f"a tensor captured {CONTEXT} has dtype {tensor.dtype}; use float32/float16/bfloat16 "
                 "or an integer/bool dtype"
             )
-        if tensor.dim() == 0 and self.device is not None and tensor.device != self.device:
-            tensor = tensor.to(self.device)  # a scalar made on the CPU, e.g. torch.tensor(50.0)
         if tensor.is_floating_point():
             kind = "float"
         elif tensor.dtype == torch.bool:
@@ -226,9 +227,16 @@ def _div(a: Any, b: Any, *, rounding_mode: str | None = None, out: Any = None) -
             raise TypeError(f"torch.div(..., rounding_mode='trunc') on floating-point values is not supported {CONTEXT}")
         q, r = binary("floordiv", a, b), binary("mod", a, b)
         # floor -> truncation: one up where the division was inexact and the signs differ
-        fix = binary("and", binary("ne", r, 0), binary("ne", binary("lt", a, 0), binary("lt", b, 0)))
+        fix = binary("and", binary("ne", r, 0), binary("ne", _is_negative(a), _is_negative(b)))
         return where(fix, binary("add", q, 1), q)
     raise ValueError(f"unknown rounding_mode {rounding_mode!r}")
+
+
+def _is_negative(x: Any) -> Any:
+    """x < 0: a Python bool for a Python number (one operand of a torch op may be one), else symbolic."""
+    if isinstance(x, (int, float)):
+        return x < 0
+    return binary("lt", x, 0)
 
 
 def _pow(a: Any, b: Any, *, out: Any = None) -> SymTensor:
@@ -329,7 +337,7 @@ def _sign(x: Any, *, out: Any = None) -> SymTensor:
     _no_out("sign", out)
     one = 1 if _kind(x) == "int" else 1.0
     zero = 0 if _kind(x) == "int" else 0.0
-    return where(binary("gt", x, 0), one, where(binary("lt", x, 0), binary("sub", zero, one), zero))
+    return where(binary("gt", x, 0), one, where(binary("lt", x, 0), -one, zero))
 
 
 def _rounding(name: str) -> Callable[..., SymTensor]:

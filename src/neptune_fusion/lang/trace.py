@@ -25,7 +25,7 @@ from neptune_fusion.ir.expr import (
     transform_bottom_up,
 )
 from neptune_fusion.ir.program import InputBuffer, OutputSpec, Program, Stage
-from neptune_fusion.lang.tensor import Dim, SymTensor, _load, dtype_name
+from neptune_fusion.lang.tensor import Dim, SymTensor, _load, input_dtype_name
 
 
 @dataclass(frozen=True)
@@ -40,8 +40,11 @@ class ArgSpec:
 def spec_of(name: str, value: Any) -> ArgSpec:
     """The trace-relevant description of a runtime argument (torch tensor or Python scalar)."""
     if hasattr(value, "shape") and hasattr(value, "dtype"):
-        dt = dtype_name(value.dtype)
-        kind = "bool" if dt == "bool" else ("int" if dt.startswith("i") else "float")
+        try:
+            dt = input_dtype_name(value.dtype)
+        except TypeError as exc:
+            raise TypeError(f"argument {name!r}: {exc}") from None
+        kind = "bool" if dt == "bool" else ("int" if dt[0] in "iu" else "float")
         return ArgSpec(name, tuple(int(s) for s in value.shape), kind)
     if isinstance(value, bool):
         raise TypeError(f"argument {name!r}: boolean scalars are not supported; pass 0 or 1")

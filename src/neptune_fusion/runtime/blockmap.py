@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import math
+import weakref
 from collections import OrderedDict
 from typing import Any
 
@@ -25,7 +26,8 @@ from neptune_fusion.ir.program import Program
 from neptune_fusion.runtime.reference import _Evaluator
 from neptune_fusion.tile.lower import BLOCK_MAP_PREFIX, AxisRoles
 
-_CACHE: OrderedDict[tuple[Any, ...], dict[str, torch.Tensor]] = OrderedDict()
+# key -> (weak references to the tensors the map was built from, the map)
+_CACHE: OrderedDict[tuple[Any, ...], tuple[tuple[weakref.ref[torch.Tensor], ...], dict[str, torch.Tensor]]] = OrderedDict()
 _CACHE_SIZE = 64
 builds = 0  # how many maps were built (not fetched from the cache); read by tests
 
@@ -59,6 +61,16 @@ def _condition(program: Program, masks: MaskInfo) -> tuple[Expr, tuple[str, ...]
     return _CONDITIONS[key]
 
 
+def _tensor_key(t: torch.Tensor) -> tuple[Any, ...]:
+    """What a map built from `t` depends on: which tensor object, its layout and its version.
+
+    The address alone is not enough: a transposed view shares it, and a new tensor allocated where a
+    freed one was starts at version 0 again. `id` tells objects apart while the entry's weak
+    reference (checked on every hit) proves the object is still the one the map was built from.
+    """
+    return (id(t), t.data_ptr(), t.storage_offset(), t._version, tuple(t.shape), t.stride(), t.dtype, t.device)
+
+
 def block_map(program: Program, masks: MaskInfo, roles: AxisRoles, sizes: dict[str, int], args: dict[str, Any],
               block_row: int, block_col: int, static_key: Any = None) -> dict[str, torch.Tensor]:
     """Tile lists for the kernel: counts and indices of full and partial column tiles per row tile.
@@ -70,11 +82,13 @@ def block_map(program: Program, masks: MaskInfo, roles: AxisRoles, sizes: dict[s
     cond, reads, params = _condition(program, masks)
     if static_key is None:
         static_key = (program.fingerprint(), tuple(sorted(sizes.items())), block_row, block_col)
-    key = (static_key, tuple((args[n].data_ptr(), args[n]._version, args[n].shape) for n in reads),
-           tuple(args[p] for p in params))
-    if key in _CACHE:
+    tensors = tuple(args[n] for n in reads)
+    # the type too: 3 == 3.0 but `//` and `%` on them differ
+    key = (static_key, tuple(_tensor_key(t) for t in tensors), tuple((type(args[p]), args[p]) for p in params))
+    hit = _CACHE.get(key)
+    if hit is not None and all(ref() is t for ref, t in zip(hit[0], tensors)):
         _CACHE.move_to_end(key)
-        return _CACHE[key]
+        return hit[1]
     builds += 1
     device = next(t.device for t in args.values() if isinstance(t, torch.Tensor))
     axes = block_map_axes(masks, roles)
@@ -105,7 +119,8 @@ def block_map(program: Program, masks: MaskInfo, roles: AxisRoles, sizes: dict[s
         order = torch.argsort((~sel).to(torch.int8), dim=-1, stable=True).to(torch.int32)
         out[f"{BLOCK_MAP_PREFIX}{kind}_count"] = sel.sum(dim=-1, dtype=torch.int32).contiguous()
         out[f"{BLOCK_MAP_PREFIX}{kind}_index"] = order.contiguous()
-    _CACHE[key] = out
+    _CACHE[key] = (tuple(weakref.ref(t) for t in tensors), out)
+    _CACHE.move_to_end(key)
     while len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)
     return out

@@ -15,6 +15,7 @@ import hashlib
 import importlib.util
 import math
 import os
+import re
 import sys
 import warnings
 from dataclasses import dataclass, field, replace
@@ -30,7 +31,7 @@ from neptune_fusion.codegen.triton_source import generate
 from neptune_fusion.ir.errors import FusionError
 from neptune_fusion.ir.expr import free_axes
 from neptune_fusion.ir.program import FusedLoop, Program
-from neptune_fusion.lang.tensor import dtype_name
+from neptune_fusion.lang.tensor import input_dtype_name
 from neptune_fusion.lang.trace import ProgramDef
 from neptune_fusion.runtime.blockmap import block_map, block_map_axes
 from neptune_fusion.runtime.reference import axis_extents, run_reference
@@ -64,6 +65,17 @@ def cache_dir() -> Path:
     path = Path(os.environ.get("NEPTUNE_FUSION_CACHE_DIR", Path.home() / ".cache" / "neptune_fusion"))
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def kernel_name(program_name: str) -> str:
+    """The kernel's name for a program: a Python identifier (and a plain file name) whatever the
+    program is called (`nf.program(lambda x: ...)` is named "<lambda>").
+
+    Example:
+        >>> kernel_name("<lambda>")
+        'nf__lambda_'
+    """
+    return "nf_" + re.sub(r"\W", "_", program_name, flags=re.ASCII)
 
 
 def _load_kernel(source: str, name: str) -> Callable[..., Any]:
@@ -108,6 +120,9 @@ class Executable:
     combine_tile: TileKernel | None = None  # split-K combine (its own launch, or called by the main kernel)
 
 
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
 def _check_tensors(program: Program, args: dict[str, Any], interpreter: bool) -> torch.device:
     device: torch.device | None = None
     float_dtype: torch.dtype | None = None
@@ -140,6 +155,11 @@ def _check_tensors(program: Program, args: dict[str, Any], interpreter: bool) ->
             raise TypeError(f"scalar parameter {p!r} must be a Python int or float, got {type(v).__name__}")
         if isinstance(v, float) and not math.isfinite(v):
             raise ValueError(f"scalar parameter {p!r} must be finite, got {v}")
+        # kernels take float parameters as float32 and int parameters as int32
+        if isinstance(v, float) and abs(v) > _FLOAT32_MAX:
+            raise ValueError(f"scalar parameter {p!r} = {v} is outside the float32 range kernels compute in")
+        if isinstance(v, int) and not -2**31 <= v < 2**31:
+            raise ValueError(f"scalar parameter {p!r} = {v} is outside the int32 range kernels compute in")
     axis_extents(program, args)
     return device
 
@@ -361,7 +381,7 @@ class Compiled:
         """Compile (or fetch from cache) the kernels for these arguments (`plan` overrides the schedule)."""
         interpreter = interpreter_mode()
         device = _check_tensors(program, args, interpreter)
-        dtypes = {b.name: dtype_name(args[b.name].dtype) for b in program.inputs}
+        dtypes = {b.name: input_dtype_name(args[b.name].dtype) for b in program.inputs}
         main_dtype = next(dtypes[b.name] for b in program.inputs if args[b.name].is_floating_point())
         fused = _fuse_cached(program, 1)[-1].program
         fused, layout = _choose_layout(fused, axis_extents(fused, args))
@@ -435,13 +455,13 @@ class Compiled:
                                 warp_specialize=os.environ.get("NEPTUNE_FUSION_WS", "0") == "1" and not interpreter,
                                 grid_group=grid_group)
         target = "interpreter" if interpreter else "cuda"
-        name = f"nf_{program.name}"
+        name = kernel_name(program.name)
         combine = None
         combine_steps: list[Step] = []
         ctile = None
         if plan.splits > 1:
-            cprog = combine_program(fused)
             try:
+                cprog = combine_program(fused)
                 combine_steps = fuse(cprog)
             except FusionError:
                 if isinstance(self.schedule, SplitK) or given_plan:

@@ -25,6 +25,7 @@ import torch
 
 from neptune_fusion.ir.expr import (
     REDUCER_IDENTITY,
+    RUNNING_STAND_IN,
     Accumulator,
     Binary,
     Cast,
@@ -46,6 +47,9 @@ _TORCH_DTYPES = {
     "f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
     "i32": torch.int32, "i64": torch.int64, "bool": torch.bool,
 }
+
+
+_NARROW_INTS = (torch.int8, torch.int16, torch.uint8)
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -133,6 +137,8 @@ class _Evaluator:
             return r.view(shape)
         if isinstance(expr, Load):
             buf = self.buffers[expr.buffer]
+            if buf.dtype in _NARROW_INTS:
+                buf = buf.to(torch.int32)  # as kernels widen them when loading
             idx = [self._index(i, frame) for i in expr.index]
             if not idx:
                 return buf
@@ -208,7 +214,7 @@ class _Evaluator:
 
 
 
-_SAFE_VALUE = {"max": 0.0, "min": 0.0, "sum": 1.0}
+_SAFE_VALUE = RUNNING_STAND_IN
 
 
 def _safe(value: torch.Tensor, op: str | None) -> torch.Tensor:

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from neptune_fusion.algebra.repair import repair_finite_from_identity
+from neptune_fusion.algebra.repair import repair_finite_from_identity, terms_vanish_while_identity
 from neptune_fusion.analysis.chains import chain_axis
 from neptune_fusion.ir.errors import FusionError
 from neptune_fusion.ir.expr import (
     REDUCER_IDENTITY,
+    RUNNING_STAND_IN,
     Accumulator,
     Binary,
     Const,
@@ -104,13 +105,17 @@ def combine_program(fused: Program) -> Program:
                 if isinstance(node, Running):
                     prod = loop.member(node.stage)
                     if node.which == "old":
-                        # a chunk whose running max/min never left its identity saw nothing: repair it
-                        # from the final value to itself (h(t, r, r) = t), never through inf * 0
+                        # A chunk whose running value ended at its identity computed its readers
+                        # with the stand-in (RUNNING_STAND_IN). Where their terms vanish there (a
+                        # max/min), it saw nothing: repairing it from the identity gives 0 by itself
+                        # when h stays finite there. Otherwise repair it from the stand-in.
                         ident = REDUCER_IDENTITY[prod.reduce_op]
-                        if prod.reduce_op in ("max", "min") and not repair_finite_from_identity(
-                                repair, node.stage, ident):
-                            # stand in 0 for a chunk's value that never left the identity
-                            return Where(Binary("eq", part(node.stage), Const(ident)), Const(0.0), part(node.stage))
+                        if prod.reduce_op in RUNNING_STAND_IN and not (
+                                prod.reduce_op in ("max", "min")
+                                and terms_vanish_while_identity(m, prod, loop.producers[m.name])
+                                and repair_finite_from_identity(repair, node.stage, ident)):
+                            return Where(Binary("eq", part(node.stage), Const(ident)),
+                                         Const(RUNNING_STAND_IN[prod.reduce_op]), part(node.stage))
                         return part(node.stage)
                     return Load(node.stage, tuple(Index(a) for a in prod.axes))
                 return None

@@ -15,6 +15,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def _check_int(name: str, value: object) -> None:
+    """A tunable that must be a Python int (or None: chosen from the shapes)."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+        raise TypeError(f"{name} must be an int or None, got {type(value).__name__} {value!r}")
+
+
+def _check_flag(name: str, value: object) -> None:
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool or None, got {type(value).__name__} {value!r}")
+
+
 @dataclass(frozen=True)
 class Flash:
     """Rolling update along the reduced axis; one program per `block_q` rows.
@@ -29,6 +40,9 @@ class Flash:
     prefetch_dot: bool | None = None  # issue each loop's first dot one tile ahead (tile/pipeline.py)
 
     def __post_init__(self) -> None:
+        for name in ("block_q", "block_k", "num_warps", "num_stages"):
+            _check_int(name, getattr(self, name))
+        _check_flag("prefetch_dot", self.prefetch_dot)
         for name in ("block_q", "block_k"):
             v = getattr(self, name)
             if v is not None and (v < 16 or v & (v - 1)):
@@ -54,6 +68,7 @@ class SplitK:
     prefetch_dot: bool | None = None
 
     def __post_init__(self) -> None:
+        _check_int("splits", self.splits)
         if self.splits is not None and self.splits < 1:
             raise ValueError(f"splits must be >= 1, got {self.splits}")
         Flash(self.block_q, self.block_k, self.num_warps, self.num_stages, self.prefetch_dot)
@@ -77,6 +92,10 @@ class Autotune:
     max_candidates: int = 8
 
     def __post_init__(self) -> None:
+        if not isinstance(self.base, (Flash, SplitK, Auto)):
+            raise TypeError(f"base must be nf.flash(), nf.split_k() or nf.auto(), got {type(self.base).__name__}")
+        if not isinstance(self.max_candidates, int) or isinstance(self.max_candidates, bool):
+            raise TypeError(f"max_candidates must be an int, got {type(self.max_candidates).__name__}")
         if self.max_candidates < 1:
             raise ValueError(f"max_candidates must be >= 1, got {self.max_candidates}")
 

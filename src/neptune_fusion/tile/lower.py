@@ -19,11 +19,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
-from neptune_fusion.algebra.repair import contribution_vanishes
+from neptune_fusion.algebra.repair import contribution_vanishes, terms_vanish_while_identity
 from neptune_fusion.analysis.masks import MaskInfo, analyze_masks
 from neptune_fusion.ir.errors import UnsupportedProgramError
 from neptune_fusion.ir.expr import (
     REDUCER_IDENTITY,
+    RUNNING_STAND_IN,
     Accumulator,
     Binary,
     Cast,
@@ -53,6 +54,7 @@ BLOCK_MAP_ROW = "__row_tile__"
 BLOCK_MAP_TILE = "__tile__"
 STRIDE_PREFIX = "__stride__"
 FLOAT_DTYPES = ("f32", "f16", "bf16")
+NARROW_INT_DTYPES = ("i8", "i16", "u8")  # input element types only: widened to i32 when loaded
 
 
 @dataclass(frozen=True)
@@ -188,6 +190,8 @@ class KernelBuilder:
         self.tile_start: dict[str, TVal] = {}
         self.variant_axes = {self.roles.col, BLOCK_MAP_TILE}  # indices that change inside a loop
         self.member_names = {m.name for m in self.loop.members}
+        self.producer_names = {p for ps in self.loop.producers.values() for p in ps}
+        self.vanishing: dict[tuple[str, str], bool] = {}  # (member, max/min producer) -> terms_vanish_while_identity
         self.loop_axes_of = {m.name: m.axes for m in self.loop.members}
         self.block = {self.roles.row: "BLOCK_R", self.roles.col: "BLOCK_C"}
         self.constexprs: dict[str, int] = {"BLOCK_R": config.block_row, "BLOCK_C": config.block_col}
@@ -405,7 +409,7 @@ class KernelBuilder:
         scalar, tile, mask_axes = self.address(expr.buffer, expr.index)
         tma = self._tma_load(expr, scalar, ctx)
         if tma is not None:
-            return tma
+            return self._widened(tma)
         base = self.emit(scalar, ctx) if scalar is not None else None
         offset = self.emit(tile, ctx) if tile is not None else None
         mask: TVal | None = None
@@ -418,7 +422,11 @@ class KernelBuilder:
         zero = self.const(0)
         args = (base or zero, offset or zero) + ((mask,) if mask is not None else ())
         axes = offset.axes if offset is not None else ()
-        return self.op("load", axes, dtype, args, prefix="ld", buffer=expr.buffer)
+        return self._widened(self.op("load", axes, dtype, args, prefix="ld", buffer=expr.buffer))
+
+    def _widened(self, loaded: TVal) -> TVal:
+        """A narrow integer (int8, int16, uint8: read as stored) as int32, what integers compute in."""
+        return self.to(loaded, "i32") if loaded.dtype in NARROW_INT_DTYPES else loaded
 
     def _tma_load(self, expr: Load, scalar: Expr | None, ctx: _Ctx) -> TVal | None:
         """A 2-D tile read through a tensor descriptor (the copy engine), when the load is a plain
@@ -776,17 +784,40 @@ class KernelBuilder:
         hi = self.op("where", (), "i32", (touch, self.bin("max", hi1, hi2), self.op("where", (), "i32", (longer_first, hi1, hi2))))
         return lo, hi
 
-    def _guarded_old(self, producer: str, old: TVal, new: TVal) -> TVal:
-        """A running max/min still at its identity has seen nothing, so neither has anything that
-        depends on it: repairing from `new` to `new` (h(t, r, r) = t) avoids inf * 0 in the repair."""
+    def _vanishes_while_identity(self, member: str, producer: str) -> bool:
+        """Whether `member`'s terms are its identity wherever the max/min `producer`'s are (cached)."""
+        key = (member, producer)
+        if key not in self.vanishing:
+            self.vanishing[key] = terms_vanish_while_identity(
+                self.loop.member(member), self.loop.member(producer), self.loop.producers[member])
+        return self.vanishing[key]
+
+    def _repairs_from_stand_in(self, member: str, producer: str) -> bool:
+        """Whether `member` is repaired from the stand-in for `producer` at its identity (see
+        RUNNING_STAND_IN) rather than from `new` to `new`: always for a sum (its running value may
+        come back to 0 after terms that cancel), for a max/min unless the member's terms vanish
+        wherever the producer's are its identity."""
         op = self.loop.member(producer).reduce_op
-        if op not in ("max", "min"):
+        if op == "sum":
+            return True
+        return op in ("max", "min") and not self._vanishes_while_identity(member, producer)
+
+    def _old_value(self, member: str, producer: str, old: TVal, new: TVal) -> TVal:
+        """The running value of `producer` that `member`'s accumulator was computed with: the
+        repair's r. A producer still at its identity was stood in for (RUNNING_STAND_IN). Where
+        the member's terms vanish there anyway (a max/min), the accumulator holds only identities
+        and is repaired from `new` to `new` (h(t, r, r) = t), never through inf * 0; otherwise the
+        terms computed with the stand-in count and are repaired from it."""
+        op = self.loop.member(producer).reduce_op
+        if op not in RUNNING_STAND_IN:
             return old
-        key = Running(producer, "guarded-old")
+        from_stand_in = self._repairs_from_stand_in(member, producer)
+        key = Running(producer, "stand-in-old" if from_stand_in else "guarded-old")
         memo = self.scopes[-1].memo
         if key not in memo:
             fresh = self.bin("eq", old, self.const(REDUCER_IDENTITY[op]))
-            memo[key] = self.op("where", old.axes, "f32", (fresh, new, old), prefix="old")
+            replacement = self.const(RUNNING_STAND_IN[op]) if from_stand_in else new
+            memo[key] = self.op("where", old.axes, "f32", (fresh, replacement, old), prefix="old")
         return memo[key]
 
     def _emit_block_map_loops(self, row_tile: TVal, state: dict[str, TVal], valid: dict[str, TVal | None]) -> None:
@@ -853,15 +884,16 @@ class KernelBuilder:
                 repair = transform_bottom_up(repair, lambda n, a=acc_name: Load(a, ()) if isinstance(n, Accumulator) else None)
                 ctx.placeholders = {}
                 for p in producers:
-                    ctx.placeholders[Running(p, "old")] = self._guarded_old(p, state[p], ctx.values[p])
+                    ctx.placeholders[Running(p, "old")] = self._old_value(m.name, p, state[p], ctx.values[p])
                     ctx.placeholders[Running(p, "new")] = ctx.values[p]
                 acc = self.emit(repair, ctx)
                 ctx.placeholders = {}
-                if m.reduce_op in ("max", "min"):
-                    # a max/min that has seen nothing stays +-inf: repairing it could compute
-                    # inf * 0 (its factor underflowing), which is NaN
+                stand_in = any(self._repairs_from_stand_in(m.name, p) for p in producers)
+                if m.reduce_op in ("max", "min") or stand_in:
+                    # an accumulator that has seen nothing stays at its identity: repairing it could
+                    # compute 0 * inf (a factor overflowing or underflowing), which is NaN
                     ident = self.const(REDUCER_IDENTITY[m.reduce_op])
-                    acc = self.op("where", acc.axes, "f32", (self.bin("eq", state[m.name], ident), ident, acc))
+                    acc = self.op("where", acc.axes, "f32", (self.bin("eq", state[m.name], ident), state[m.name], acc))
             else:
                 acc = state[m.name]
             # the repair before the operands: emitting the repair right before its dot measured 4-9%
@@ -874,10 +906,12 @@ class KernelBuilder:
                 new = self.bin(m.reduce_op if m.reduce_op != "sum" else "add", acc, contribution)
             new = self.to(new, "f32")
             new_state[m.name] = new
-            if m.reduce_op in ("max", "min"):
+            if m.reduce_op in ("max", "min") or (m.reduce_op in RUNNING_STAND_IN and m.name in self.producer_names):
+                # readers see the stand-in for a running value still at its identity
                 ident = self.const(REDUCER_IDENTITY[m.reduce_op])
                 is_ident = self.bin("eq", new, ident)
-                ctx.values[m.name] = self.op("where", new.axes, "f32", (is_ident, self._zero("f32"), new), prefix="safe")
+                stand_in = self.const(RUNNING_STAND_IN[m.reduce_op])
+                ctx.values[m.name] = self.op("where", new.axes, "f32", (is_ident, stand_in, new), prefix="safe")
             else:
                 ctx.values[m.name] = new
         for m in self.loop.members:
@@ -887,7 +921,56 @@ class KernelBuilder:
         del self.tile_start[roles.col]
         self.body.append(Loop(var, start, stop, step, body, comment, self.config.warp_specialize and not masked))
 
+    def _finished(self, state: dict[str, TVal], valid: dict[str, TVal | None]) -> dict[str, TVal]:
+        """The members' final values. Where a producer ended at its identity (a max that saw
+        nothing: a fully masked row), its readers were computed with the stand-in
+        (RUNNING_STAND_IN); repair them from it to the identity itself, so the kernel computes what the unfused program does there
+        (exp(x - -inf) = inf, exp(-inf - -inf) = nan), as the reference executor's `_finish` does.
+        Readers of a member repaired this way are repaired from its old value to its new one."""
+        final = dict(state)
+        finished: dict[str, TVal] = {}  # member -> where this repair changed it
+        at_identity: dict[str, TVal] = {}  # member -> where it ended at its identity
+        used: dict[str, TVal] = {}  # member -> the value its readers were computed with
+        self.scopes.append(_Scope(self.body))
+        ctx = _Ctx(final, {}, valid, {}, True)
+        for m in self.loop.members:
+            producers = self.loop.producers.get(m.name, ())
+            ctx.placeholders = {}
+            flags: list[TVal] = []
+            for p in producers:
+                op = self.loop.member(p).reduce_op
+                if op in RUNNING_STAND_IN:
+                    if p not in at_identity:
+                        at_identity[p] = self.bin("eq", state[p], self.const(REDUCER_IDENTITY[op]))
+                        used[p] = self.op("where", state[p].axes, "f32",
+                                          (at_identity[p], self.const(RUNNING_STAND_IN[op]), state[p]), prefix="old")
+                    flags.append(at_identity[p])
+                if p in finished:
+                    flags.append(finished[p])
+                ctx.placeholders[Running(p, "old")] = used.get(p, state[p])
+                ctx.placeholders[Running(p, "new")] = final[p]
+            if not flags:
+                continue
+            differs = flags[0]
+            for flag in flags[1:]:
+                differs = self.bin("or", differs, flag)
+            repair = self.loop.repairs[m.name]
+            assert repair is not None
+            acc_name = f"__final__{m.name}"
+            self.member_names.add(acc_name)
+            ctx.values[acc_name] = state[m.name]
+            repair = transform_bottom_up(repair, lambda n, a=acc_name: Load(a, ()) if isinstance(n, Accumulator) else None)
+            fixed = self.to(self.emit(repair, ctx), "f32")
+            final[m.name] = self.op("where", self.union(differs, fixed, state[m.name]), "f32",
+                                    (differs, fixed, state[m.name]), prefix="fin")
+            finished[m.name] = differs
+        ctx.placeholders = {}
+        self.scopes.pop()
+        return {name: final[name] for name in state}
+
     def _emit_outputs(self, state: dict[str, TVal], valid: dict[str, TVal | None]) -> None:
+        if not self.config.partial_outputs:
+            state = self._finished(state, valid)  # split-K partial states are finished by the combine
         scope = _Scope(self.body)
         self.scopes.append(scope)
         ctx = _Ctx(dict(state), {}, valid, {}, False)

@@ -13,7 +13,7 @@ import math
 
 from neptune_fusion.tile.ir import If, Loop, Op, Stmt, TileKernel
 
-_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "i32": 4, "i64": 8, "bool": 1}
+_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "i32": 4, "i64": 8, "bool": 1, "i8": 1, "i16": 2, "u8": 1}
 
 
 def _tile_bytes(kernel: TileKernel, op: Op) -> int:
