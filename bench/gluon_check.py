@@ -153,17 +153,37 @@ def document_timings() -> list[dict]:
     return rows
 
 
+def captured_scalar_check() -> dict:
+    """A 0-d CPU tensor captured by a score_mod with CUDA inputs, updated in place between calls:
+    each call must see its current value (a fuzzing find: it used to be copied once at trace time)."""
+    q = torch.randn(1, 2, 64, 64, device="cuda", dtype=torch.float16)
+    cap = torch.tensor(1.0)
+
+    def softcap(s, b, h, qi, ki):
+        return cap * torch.tanh(s / cap)
+    errors = {}
+    for val in (1.0, 20.0):
+        cap.fill_(val)
+        out = nf.attention(q, q, q, score_mod=softcap)
+        s = q.double() @ q.double().mT / 8
+        ref = torch.softmax(val * torch.tanh(s / val), -1) @ q.double()
+        errors[str(val)] = rel_err(out, ref)
+    print(f"captured CPU scalar updated in place: {errors}", flush=True)
+    return {"errors": errors, "ok": all(e < 2e-3 for e in errors.values())}
+
+
 def main() -> None:
     import sys
 
     os.environ["NEPTUNE_FUSION_BACKEND"] = "auto"
     warm_up_gpu()
     checked = [check(*c) for c in cases()]
+    captured = captured_scalar_check()
     times = [] if "--no-timings" in sys.argv else timings()
-    documents = document_timings()
-    print("all correct:", all(r["ok"] for r in checked))
+    documents = [] if "--no-documents" in sys.argv else document_timings()
+    print("all correct:", all(r["ok"] for r in checked) and captured["ok"])
     print("wrote", write_results("gluon_check", {"environment": environment(), "cases": checked, "timings": times,
-                                                 "documents": documents}))
+                                                 "documents": documents, "captured_scalar": captured}))
 
 
 if __name__ == "__main__":
