@@ -152,15 +152,21 @@ def flex(seqs: list[int], ops: list[str]) -> list[dict]:
     return out
 
 
-def decode_variants(op: str, seq: int, variants: list[tuple[str, nf.SplitK, dict[str, str]]]) -> dict:
-    """Time split-K schedules (each with its environment switches) for one decode case."""
+def decode_case(op: str, seq: int) -> tuple[torch.Tensor, ...]:
+    """(q, k, v, slopes, scale, fp32 reference) of one decode case, from a fixed seed."""
     hq, hkv, kind = DECODE_OPS[op]
     torch.manual_seed(0)
     q = torch.randn(1, hq, 1, 128, device="cuda", dtype=torch.float16)
     k, v = (torch.randn(1, hkv, seq, 128, device="cuda", dtype=torch.float16) for _ in range(2))
     slopes = torch.ones(hq, device="cuda")
     scale = 1 / math.sqrt(128)
-    ref = torch_plain(q.float(), k.float(), v.float(), slopes, scale, kind).float()
+    return q, k, v, slopes, scale, torch_plain(q.float(), k.float(), v.float(), slopes, scale, kind).float()
+
+
+def decode_variants(op: str, seq: int, variants: list[tuple[str, nf.SplitK, dict[str, str]]]) -> dict:
+    """Time split-K schedules (each with its environment switches) for one decode case."""
+    hq, hkv, kind = DECODE_OPS[op]
+    q, k, v, slopes, scale, ref = decode_case(op, seq)
     cudnn = None
     if kind != "softcap":
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
@@ -197,12 +203,7 @@ def decode_interleaved(op: str, seq: int, variants: list[tuple[str, nf.SplitK, d
     `rounds` interleaved rounds (the best median kept): a timing right after a compile read 2-4x
     slow on short decode (item 19)."""
     hq, hkv, kind = DECODE_OPS[op]
-    torch.manual_seed(0)
-    q = torch.randn(1, hq, 1, 128, device="cuda", dtype=torch.float16)
-    k, v = (torch.randn(1, hkv, seq, 128, device="cuda", dtype=torch.float16) for _ in range(2))
-    slopes = torch.ones(hq, device="cuda")
-    scale = 1 / math.sqrt(128)
-    ref = torch_plain(q.float(), k.float(), v.float(), slopes, scale, kind).float()
+    q, k, v, slopes, scale, ref = decode_case(op, seq)
     calls: dict[str, Callable[[], torch.Tensor]] = {}
     if kind != "softcap":
         def cudnn_call() -> torch.Tensor:

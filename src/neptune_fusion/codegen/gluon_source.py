@@ -34,7 +34,7 @@ NUM_BUFFERS = 2  # ring slots (3 measured no faster, bench/results/run29/)
 SHARED_MEMORY_BYTES = 220 * 1024  # of Hopper's 227 KB per program, with room for the barriers
 CONSUMER_REGISTERS = 232  # per thread; the producer warp keeps 24 (setmaxnreg)
 GL_DTYPES = {k: v.replace("tl.", "gl.") for k, v in TL_DTYPES.items()}
-_ELEMENT_BYTES = {"f16": 2, "bf16": 2}
+SIXTEEN_BIT = ("f16", "bf16")  # the tile element types wgmma and the copies here take
 
 def _to_gluon(text: str) -> str:
     """Triton source fragments as Gluon ones: the same element-wise functions under `gl.`."""
@@ -62,6 +62,7 @@ class _Shape:
     rings: list[str]  # descriptors read inside every loop, in the order each body reads them
     loader_ops: list[Op]  # scalar ops the producer recomputes (loop bounds, descriptor arguments)
     coordinates: dict[str, list[Op]]  # loop variable -> the scalar ops giving its tiles' coordinates
+    desc_dtypes: dict[str, str]  # descriptor -> the element type of its tiles
     pairs: list[str] = field(default_factory=list)  # X of every (row, X) register layout
 
 
@@ -122,7 +123,7 @@ def _analyse(kernel: TileKernel) -> _Shape:
                 raise _Unsupported("scalar full")
     row_loads = [st for st in kernel.body if isinstance(st, Op) and st.kind == "desc_load"]
     for ld in row_loads:
-        if ld.out.axes[0] != row or ld.out.dtype not in _ELEMENT_BYTES:
+        if ld.out.axes[0] != row or ld.out.dtype not in SIXTEEN_BIT:
             raise _Unsupported(f"{ld.out.name}: a descriptor load outside the loops must be a 16-bit row tile")
         if any(op.kind != "dot" or i != 0 for op, i in uses.get(ld.out.name, [])):
             raise _Unsupported(f"{ld.out.name}: a row tile from shared memory can only feed dots")
@@ -136,7 +137,7 @@ def _analyse(kernel: TileKernel) -> _Shape:
         elif names != rings:
             raise _Unsupported("loops read different descriptor tiles")
         for ld in loads:
-            if ld.out.axes[0] != col or ld.out.dtype not in _ELEMENT_BYTES:
+            if ld.out.axes[0] != col or ld.out.dtype not in SIXTEEN_BIT:
                 raise _Unsupported(f"{ld.out.name}: loop tiles must be 16-bit (key, x) tiles")
             if any(op.kind != "dot" or i != 1 for op, i in uses.get(ld.out.name, [])):
                 raise _Unsupported(f"{ld.out.name}: a loop tile from shared memory can only feed dots as their B")
@@ -148,7 +149,7 @@ def _analyse(kernel: TileKernel) -> _Shape:
     for op in defs.values():
         if op.kind == "dot":
             a, b = op.args[0], op.args[1]
-            if op.attrs.get("precision") or a.dtype not in _ELEMENT_BYTES or b.dtype not in _ELEMENT_BYTES:
+            if op.attrs.get("precision") or a.dtype not in SIXTEEN_BIT or b.dtype not in SIXTEEN_BIT:
                 raise _Unsupported(f"{op.out.name}: wgmma here takes 16-bit operands")
             if defs[b.name].kind != "desc_load" or b.name in {ld.out.name for ld in row_loads}:
                 raise _Unsupported(f"{op.out.name}: the B operand must be a loop tile")
@@ -166,8 +167,10 @@ def _analyse(kernel: TileKernel) -> _Shape:
         n = kernel.constexprs[kernel.block_sizes[x]]
         if n > 256 or n % 16:
             raise _Unsupported(f"axis {x}: a (rows, {x}) register tile needs a block of at most 256, a multiple of 16")
-    ring_bytes = sum(_tile_bytes(kernel, defs[d], kernel.block_sizes[col]) for d in rings)
-    row_bytes = sum(_tile_bytes(kernel, defs[ld.args[0].name], "BLOCK_R") for ld in row_loads)
+    ring_bytes = sum(_tile_bytes(kernel, defs[d], block_c) for d in rings)
+    row_bytes = sum(_tile_bytes(kernel, defs[ld.args[0].name], ROW_BLOCK) for ld in row_loads)
+    desc_dtypes = {ld.args[0].name: ld.out.dtype for ld in row_loads}
+    desc_dtypes.update({op.args[0].name: op.out.dtype for op in defs.values() if op.kind == "desc_load"})
     if row_bytes + NUM_BUFFERS * ring_bytes > SHARED_MEMORY_BYTES:
         raise _Unsupported(f"{NUM_BUFFERS} ring slots of {ring_bytes} bytes and {row_bytes} bytes of row tiles "
                            f"exceed {SHARED_MEMORY_BYTES} bytes of shared memory")
@@ -179,12 +182,12 @@ def _analyse(kernel: TileKernel) -> _Shape:
     todo.extend(ld.args[1].name for ld in row_loads)
     todo.extend(a.name for ops in coordinates.values() for op in ops for a in op.args)
     loader_ops = _scalar_closure(todo, kernel.body, "a loop bound or descriptor argument")
-    return _Shape(row, col, defs, row_loads, rings, loader_ops, coordinates, pairs)
+    return _Shape(row, col, defs, row_loads, rings, loader_ops, coordinates, desc_dtypes, pairs)
 
 
-def _tile_bytes(kernel: TileKernel, desc: Op, outer_block: str) -> int:
-    inner = kernel.constexprs[desc.attrs["block"][1]]
-    return kernel.constexprs[outer_block] * inner * 2  # 16-bit elements only
+def _tile_bytes(kernel: TileKernel, desc: Op, rows: int) -> int:
+    """Bytes of a `rows`-row tile read through descriptor `desc` (16-bit elements)."""
+    return rows * kernel.constexprs[desc.attrs["block"][1]] * 2
 
 
 def _scalar_closure(names: list[str], stmts: list[Stmt], what: str) -> list[Op]:
@@ -337,15 +340,19 @@ class _GluonPrinter:
         names += [f"ready_{d}" for d in self.shape.rings] + ["free_bar"]
         return names
 
+    def partition(self, role: str, extra: list[str], comment: str, constants: list[str]) -> list[str]:
+        """The header of a partition function: the kernel's parameters, its shared buffers, `extra`."""
+        params = ", ".join(self.signature() + self.shared_names() + extra)
+        lines = ["", "", "@gluon.jit", f"def {self.kernel.name}_{role}({params}):", f"    # {comment}"]
+        return lines + [f"    {line}" for line in self.locals() + constants]
+
     def locals(self) -> list[str]:
         return ["HALF_R: gl.constexpr = BLOCK_R // 2", f"NUM_BUF: gl.constexpr = {self.num_buffers}"]
 
     def consumer(self) -> list[str]:
         k = self.kernel
-        out = ["", "", "@gluon.jit",
-               f"def {k.name}_consumer({', '.join(self.signature() + self.shared_names())}, HALF_INDEX: gl.constexpr):",
-               "    # half HALF_INDEX of the row tile: the whole tile program on 64 rows"]
-        out.extend(f"    {line}" for line in self.locals() + self.layout_defs())
+        out = self.partition("consumer", ["HALF_INDEX: gl.constexpr"],
+                             "half HALF_INDEX of the row tile: the whole tile program on 64 rows", self.layout_defs())
         for x in sorted({op.out.axes[1] for op in self.shape.defs.values() if op.kind == "dot" and len(op.args) == 2}):
             out.append(f"    ZERO_{x} = gl.zeros([HALF_R, {self.block(x)}], gl.float32, L_{x})  # use_acc=False ignores it")
         for ld in self.shape.row_loads:
@@ -407,29 +414,17 @@ class _GluonPrinter:
         descs = [ld.args[0].name for ld in self.shape.row_loads] + self.shape.rings
         for d in descs:
             op = self.shape.defs[d]
-            dtype = self.kernel_dtype(d)
+            dtype = self.shape.desc_dtypes[d]
             inner = self.kernel.constexprs[op.attrs["block"][1]]
-            swizzle = min(128, inner * _ELEMENT_BYTES[dtype])
+            swizzle = min(128, inner * 2)
             lines.append(f"SH_{d}: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width={swizzle}, "
-                         f"element_bitwidth={8 * _ELEMENT_BYTES[dtype]}, rank=2)")
+                         f"element_bitwidth=16, rank=2)  # {dtype}")
         return lines
-
-    def kernel_dtype(self, desc: str) -> str:
-        for op in self.shape.defs.values():
-            if op.kind == "desc_load" and op.args[0].name == desc:
-                return op.out.dtype
-        raise KeyError(desc)
-
-    def tile_bytes(self, desc: str, outer_block: str) -> str:
-        op = self.shape.defs[desc]
-        return f"{outer_block} * {op.attrs['block'][1]} * {_ELEMENT_BYTES[self.kernel_dtype(desc)]}"
 
     def producer(self) -> list[str]:
         k = self.kernel
-        out = ["", "", "@gluon.jit",
-               f"def {k.name}_producer({', '.join(self.signature() + self.shared_names())}):",
-               "    # one warp: copies of the row-tile operands once, then of every loop tile into the ring"]
-        out.extend(f"    {line}" for line in self.locals() + self.shared_layouts())
+        out = self.partition("producer", [], "one warp: copies of the row-tile operands once, then of every loop "
+                             "tile into the ring", self.shared_layouts())
         for op in self.shape.loader_ops:
             out.extend(self.stmt(op, "    "))
         for ld in self.shape.row_loads:
@@ -437,7 +432,7 @@ class _GluonPrinter:
         for d in self.shape.rings:
             out.append(f"    {d} = {self.descriptor(self.shape.defs[d], self.kernel.block_sizes[self.shape.col])}")
         if self.shape.row_loads:
-            total = " + ".join(f"2 * {self.tile_bytes(ld.args[0].name, 'HALF_R')}" for ld in self.shape.row_loads)
+            total = sum(_tile_bytes(k, self.shape.defs[ld.args[0].name], ROW_BLOCK) for ld in self.shape.row_loads)
             out.append(f"    mbarrier.expect(row_bar, {total})")
             for ld in self.shape.row_loads:
                 for half in (0, 1):
@@ -458,7 +453,8 @@ class _GluonPrinter:
                 out.extend(self.stmt(op, "        "))
             loads = {ld.args[0].name: ld for ld in st.body if isinstance(ld, Op) and ld.kind == "desc_load"}
             for d in self.shape.rings:
-                out.append(f"        mbarrier.expect(ready_{d}.index(slot), {self.tile_bytes(d, col_block)})")
+                nbytes = _tile_bytes(k, self.shape.defs[d], k.constexprs[col_block])
+                out.append(f"        mbarrier.expect(ready_{d}.index(slot), {nbytes})")
                 out.append(f"        tma.async_copy_global_to_shared({d}, [{loads[d].args[1].name}, 0], "
                            f"ready_{d}.index(slot), ring_{d}.index(slot))")
             out.append("        it += 1")
@@ -478,7 +474,7 @@ class _GluonPrinter:
             out.append(f"    rowbuf_{ld.out.name} = gl.allocate_shared_memory({GL_DTYPES[ld.out.dtype]}, [2, HALF_R, {inner}], SH_{d})")
         for d in self.shape.rings:
             inner = self.shape.defs[d].attrs["block"][1]
-            out.append(f"    ring_{d} = gl.allocate_shared_memory({GL_DTYPES[self.kernel_dtype(d)]}, [NUM_BUF, {col_block}, {inner}], SH_{d})")
+            out.append(f"    ring_{d} = gl.allocate_shared_memory({GL_DTYPES[self.shape.desc_dtypes[d]]}, [NUM_BUF, {col_block}, {inner}], SH_{d})")
         out.append("    row_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())")
         out.append("    mbarrier.init(row_bar, count=1)")
         for d in self.shape.rings:

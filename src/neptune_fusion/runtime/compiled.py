@@ -397,9 +397,14 @@ class Compiled:
             plan = choose(self.schedule, rows=sizes[roles.row], cols=sizes[roles.col], batch=batch,
                           full_sizes=full_sizes, dtype=main_dtype, num_sms=_num_sms(device), interpreter=interpreter,
                           block_mapped=use_block_map)
+        if plan.splits > 1 or plan.prefetch_dot:
+            gluon_reason = "split-K and software-pipelined plans run through Triton"
+            _backend_setting()  # an invalid setting is an error whichever backend serves this plan
+        else:
+            gluon_reason = _gluon_precondition(device, interpreter)
+        if not given_plan and gluon_reason is None:
             explicit_width = isinstance(self.schedule, (Flash, SplitK)) and self.schedule.block_k is not None
-            long_map = use_block_map and sizes[roles.col] > GLUON_BLOCK_MAP_MIN_KEYS
-            if long_map and plan.splits == 1 and not explicit_width and _gluon_precondition(device, interpreter) is None:
+            if use_block_map and sizes[roles.col] > GLUON_BLOCK_MAP_MIN_KEYS and not explicit_width:
                 # block-mapped loops through Gluon are fastest with 128-wide key tiles (document mask
                 # at 16k: 1868 us vs 2071 with 64; bench/results/run31/gluon_check.json)
                 plan = replace(plan, block_col=128)
@@ -499,21 +504,16 @@ class Compiled:
 
         # the Gluon backend reads every tile it can through descriptors (its producer warp issues the
         # copies), block-mapped ones too, and needs no software-pipelining rewrites of the loop
-        gluon_tile = None
-        if plan.splits > 1 or plan.prefetch_dot:
-            reason = "split-K and software-pipelined plans run through Triton"
-            _backend_setting()  # an invalid setting is an error whichever backend serves this plan
-        elif use_block_map and sizes[roles.col] <= GLUON_BLOCK_MAP_MIN_KEYS and _backend_setting() == "auto":
+        reason = gluon_reason
+        if reason is None and use_block_map and sizes[roles.col] <= GLUON_BLOCK_MAP_MIN_KEYS and _backend_setting() == "auto":
             # short listed loops: Triton's kernel measured faster (document mask at 4k: 168 us vs 175;
             # bench/results/run31/gluon_check.json)
             reason = f"block-mapped loops over at most {GLUON_BLOCK_MAP_MIN_KEYS} keys measured faster through Triton"
-        else:
-            reason = _gluon_precondition(device, interpreter)
         if reason is None:
             gluon_tile = lower(fused, replace(config, tma_buffers=all_tma, notes=[]), name)
             reason = gluon_support(gluon_tile)
         backend, why = _backend_for(reason)
-        if gluon_tile is not None and backend == "gluon":
+        if backend == "gluon":
             gluon_tile.notes.append(f"backend: {why}")
             source = generate_gluon(gluon_tile)
             # Gluon's default partition is one warpgroup; the others are declared by the kernel itself

@@ -214,9 +214,6 @@ class _Evaluator:
 
 
 
-_SAFE_VALUE = RUNNING_STAND_IN
-
-
 def _safe(value: torch.Tensor, op: str | None) -> torch.Tensor:
     """The running value that terms are computed with: a producer still at its identity is used
     as a finite stand-in (max/min: 0, so no inf - inf; sum: 1, so no division by zero).
@@ -224,8 +221,8 @@ def _safe(value: torch.Tensor, op: str | None) -> torch.Tensor:
     Any stand-in is exact as long as the accumulators computed with it are later repaired *from
     the same value* (replacement condition), which `_rolling` and `_split_k` do.
     """
-    if op in _SAFE_VALUE:
-        return torch.where(value == REDUCER_IDENTITY[op], torch.full_like(value, _SAFE_VALUE[op]), value)
+    if op in RUNNING_STAND_IN:
+        return torch.where(value == REDUCER_IDENTITY[op], torch.full_like(value, RUNNING_STAND_IN[op]), value)
     return value
 
 

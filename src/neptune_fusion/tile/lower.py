@@ -23,6 +23,7 @@ from neptune_fusion.algebra.repair import contribution_vanishes, terms_vanish_wh
 from neptune_fusion.analysis.masks import MaskInfo, analyze_masks
 from neptune_fusion.ir.errors import UnsupportedProgramError
 from neptune_fusion.ir.expr import (
+    NARROW_INT_DTYPES,
     REDUCER_IDENTITY,
     RUNNING_STAND_IN,
     Accumulator,
@@ -54,7 +55,6 @@ BLOCK_MAP_ROW = "__row_tile__"
 BLOCK_MAP_TILE = "__tile__"
 STRIDE_PREFIX = "__stride__"
 FLOAT_DTYPES = ("f32", "f16", "bf16")
-NARROW_INT_DTYPES = ("i8", "i16", "u8")  # input element types only: widened to i32 when loaded
 
 
 @dataclass(frozen=True)
@@ -877,11 +877,7 @@ class KernelBuilder:
             if producers:
                 repair = self.loop.repairs[m.name]
                 assert repair is not None
-                # each member's accumulator is a distinct value: name it so CSE cannot merge repairs
-                acc_name = f"__acc__{m.name}"
-                self.member_names.add(acc_name)
-                ctx.values[acc_name] = state[m.name]
-                repair = transform_bottom_up(repair, lambda n, a=acc_name: Load(a, ()) if isinstance(n, Accumulator) else None)
+                repair = self._bind_accumulator(repair, f"__acc__{m.name}", state[m.name], ctx)
                 ctx.placeholders = {}
                 for p in producers:
                     ctx.placeholders[Running(p, "old")] = self._old_value(m.name, p, state[p], ctx.values[p])
@@ -921,6 +917,13 @@ class KernelBuilder:
         del self.tile_start[roles.col]
         self.body.append(Loop(var, start, stop, step, body, comment, self.config.warp_specialize and not masked))
 
+    def _bind_accumulator(self, repair: Expr, name: str, value: TVal, ctx: _Ctx) -> Expr:
+        """`repair` reading `value` where it names the accumulator. Each accumulator is a distinct
+        named value, so CSE cannot merge the repairs of different members."""
+        self.member_names.add(name)
+        ctx.values[name] = value
+        return transform_bottom_up(repair, lambda n: Load(name, ()) if isinstance(n, Accumulator) else None)
+
     def _finished(self, state: dict[str, TVal], valid: dict[str, TVal | None]) -> dict[str, TVal]:
         """The members' final values. Where a producer ended at its identity (a max that saw
         nothing: a fully masked row), its readers were computed with the stand-in
@@ -956,10 +959,7 @@ class KernelBuilder:
                 differs = self.bin("or", differs, flag)
             repair = self.loop.repairs[m.name]
             assert repair is not None
-            acc_name = f"__final__{m.name}"
-            self.member_names.add(acc_name)
-            ctx.values[acc_name] = state[m.name]
-            repair = transform_bottom_up(repair, lambda n, a=acc_name: Load(a, ()) if isinstance(n, Accumulator) else None)
+            repair = self._bind_accumulator(repair, f"__final__{m.name}", state[m.name], ctx)
             fixed = self.to(self.emit(repair, ctx), "f32")
             final[m.name] = self.op("where", self.union(differs, fixed, state[m.name]), "f32",
                                     (differs, fixed, state[m.name]), prefix="fin")
