@@ -14,6 +14,10 @@ from dataclasses import dataclass
 
 from neptune_fusion.schedule.templates import Auto, Autotune, Flash, Schedule, SplitK
 
+# shared memory one multiprocessor gives its programs' pipeline stages (H100/H200: 227 KB, less
+# what the compiler keeps for itself and for the row operands)
+SHARED_BYTES = 200 * 1024
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -79,16 +83,25 @@ def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: 
         # speculative decoding) take fewer splits (GQA 64/8 at 16k: 16 splits 34 us, 64 splits
         # 44 us, bench/results/explore_decode_run10.json)
         wanted = max(1, (4 * num_sms) // (programs * min(4, rows)))
-        splits = max(1, min(wanted, cols // (4 * block_col), 128))
+        # chunks of four tiles leave most multiprocessors idle when there are few programs (packed
+        # GQA 64/8 at 1k: 8 programs x 4 splits); shorter chunks until each multiprocessor has one
+        # (16 splits of one tile: 13.4 vs 15.8 us, bench/results/run33/decode_profile.json)
+        by_length = cols // (4 * block_col)
+        to_fill = min(num_sms // programs, math.ceil(cols / block_col))
+        splits = max(1, min(wanted, max(by_length, to_fill), 128))
     if splits > 1:
-        # a memory-bound loop needs enough bytes in flight per multiprocessor: with at most one
-        # program on each, its key tiles are twice as wide (packed GQA 64/8 at 16k: 34.8 us with
-        # 128-wide tiles, 43.5 us with 64; bench/results/explore_decode_tiles_run12.json)
-        if not interpreter and programs * splits <= num_sms and cols >= splits * 4 * 128:
-            block_col = 128
         # chunks are whole tiles: drop splits that would be left without any
         chunk_tiles = math.ceil(math.ceil(cols / block_col) / splits)
         splits = math.ceil(math.ceil(cols / block_col) / chunk_tiles)
+        resident = math.ceil(programs * splits / num_sms)
+        stage_bytes = block_col * sum(full_sizes.values()) * (4 if dtype == "f32" else 2)
+    if splits > 1 and not interpreter and resident <= 2 and resident * 3 * stage_bytes <= SHARED_BYTES:
+        # with at most two programs per multiprocessor, a third stage keeps more bytes in flight
+        # and still fits twice in shared memory (packed GQA 64/8 at 16k / 32k: 31.4 / 49.2 us with
+        # 64-wide tiles and 3 stages, 33.7 / 52.0 with 128-wide and 2, 31.8 / 49.4 with 128-wide and
+        # 3; softcap 32/16 at 16k: 48.9 vs 49.9; bench/results/run33/decode_profile.json). With more
+        # programs per multiprocessor 2 stages stay (MHA 32/32 at 16k: 78.9 vs 86.9 us with 3).
+        stages = 3
     if isinstance(schedule, (Flash, SplitK)):
         block_row = schedule.block_q or block_row
         block_col = schedule.block_k or block_col

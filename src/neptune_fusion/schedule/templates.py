@@ -7,7 +7,7 @@ programs and merges partial states: FlashDecoding. `auto` picks from the shapes.
 Example:
     >>> import neptune_fusion as nf
     >>> nf.flash(block_q=128, block_k=64)
-    Flash(block_q=128, block_k=64, num_warps=None, num_stages=None)
+    Flash(block_q=128, block_k=64, num_warps=None, num_stages=None, prefetch_dot=None)
 """
 
 from __future__ import annotations
