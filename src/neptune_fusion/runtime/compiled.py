@@ -421,11 +421,12 @@ class Compiled:
             # 16k 50.4 -> 49.7; dc_gqa even; bench/results/explore_run27.json)
             tma = frozenset()
         positive = frozenset(p for p in program.params if isinstance(args[p], float) and args[p] > 0)
-        # one launch (the last split program combines) pays off while launches dominate; from 4k keys
-        # on the H200 measured the separate combine launch faster (dc_causal 4k: 36.0 vs 42.4 us,
-        # 1k: 20.0 vs 18.8 us; bench/results/explore_decode_short_run10.json)
-        setting = os.environ.get("NEPTUNE_FUSION_FUSED_COMBINE", "auto")
-        fused_combine = plan.splits > 1 and (setting == "1" or (setting == "auto" and sizes[roles.col] <= 2048))
+        # the combine as its own launch, released early by programmatic dependent launch, ends
+        # 1-2 us after the main kernel; run inside the main kernel by the last program of each row
+        # tile it measured slower at every length on the H200 (packed GQA 64/8 at 1k: 10.0 vs 13.1
+        # us, 4k: 14.8 vs 17.2; MHA 32/32 at 1k: 14.8 vs 15.5; softcap 32/16 at 32k: 77.7 vs 80.4;
+        # bench/results/run34/decode_profile.json). NEPTUNE_FUSION_FUSED_COMBINE=1 still selects it.
+        fused_combine = plan.splits > 1 and os.environ.get("NEPTUNE_FUSION_FUSED_COMBINE", "0") == "1"
         combine_rows = min(16, 1 << max(0, (sizes[roles.row] - 1).bit_length()))
         # the next listed tile's index read an iteration early: 5-6% faster (document mask, run 16)
         prefetch_index = use_block_map and os.environ.get("NEPTUNE_FUSION_PREFETCH_INDEX", "1") == "1"
