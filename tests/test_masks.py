@@ -103,6 +103,28 @@ def test_document_block_map_is_built_once_and_shared():
     torch.testing.assert_close(out, torch.softmax(s, -1) @ v)
 
 
+def test_block_map_is_built_on_every_call_while_a_cuda_graph_is_captured(monkeypatch):
+    """A graph replay runs no host code: the map's build must be captured, not fetched from the cache."""
+    g = torch.Generator().manual_seed(1)
+    doc = torch.sort(torch.randint(0, 4, (96,), generator=g)).values
+
+    def same_document(b, h, q_idx, kv_idx):
+        return doc[q_idx] == doc[kv_idx]
+
+    q, k, v = (torch.randn(1, 2, 96, 16, generator=g) for _ in range(3))
+    nf.attention(q, k, v, mask_mod=same_document)  # warm-up outside the capture fills the cache
+    monkeypatch.setattr(blockmap, "_capturing", lambda: True)
+    before = blockmap.builds
+    for _ in range(2):
+        out = nf.attention(q, k, v, mask_mod=same_document)
+    assert blockmap.builds == before + 2
+    monkeypatch.setattr(blockmap, "_capturing", lambda: False)
+    nf.attention(q, k, v, mask_mod=same_document)
+    assert blockmap.builds == before + 2  # after the capture the cache serves the map built before it
+    mask = doc[:, None] == doc[None, :]
+    torch.testing.assert_close(out, _table_attention(q, k, v, mask))
+
+
 def _table_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     s = (q @ k.mT / 4.0).masked_fill(~visible, float("-inf"))
     return torch.softmax(s, -1).nan_to_num(0.0) @ v

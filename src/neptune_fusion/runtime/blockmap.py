@@ -4,7 +4,8 @@ For every (row tile, column tile) the mask condition is evaluated on the host de
 classified as empty, partly visible or fully visible; the kernel then visits only the listed
 tiles (fully visible ones with no mask arithmetic). Maps are cached per program, shapes, block
 sizes and the identity and version of the tensors the condition reads, so repeated calls (and
-layers sharing the same document ids) build them once.
+layers sharing the same document ids) build them once; while a CUDA graph is being captured they
+are built every time, so that the build is part of the graph and replays follow the mask's tensors.
 
 Example:
     >>> # maps = block_map(fused, masks, roles, sizes, args, block_row=128, block_col=64)
@@ -71,6 +72,11 @@ def _tensor_key(t: torch.Tensor) -> tuple[Any, ...]:
     return (id(t), t.data_ptr(), t.storage_offset(), t._version, tuple(t.shape), t.stride(), t.dtype, t.device)
 
 
+def _capturing() -> bool:
+    """Whether the current CUDA stream is being captured into a graph."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def block_map(program: Program, masks: MaskInfo, roles: AxisRoles, sizes: dict[str, int], args: dict[str, Any],
               block_row: int, block_col: int, static_key: Any = None) -> dict[str, torch.Tensor]:
     """Tile lists for the kernel: counts and indices of full and partial column tiles per row tile.
@@ -85,7 +91,10 @@ def block_map(program: Program, masks: MaskInfo, roles: AxisRoles, sizes: dict[s
     tensors = tuple(args[n] for n in reads)
     # the type too: 3 == 3.0 but `//` and `%` on them differ
     key = (static_key, tuple(_tensor_key(t) for t in tensors), tuple((type(args[p]), args[p]) for p in params))
-    hit = _CACHE.get(key)
+    # inside a CUDA graph capture the map is built, never fetched: a replay runs no host code, so only
+    # a map whose build is part of the graph follows new values written into the mask's tensors
+    capturing = _capturing()
+    hit = None if capturing else _CACHE.get(key)
     if hit is not None and all(ref() is t for ref, t in zip(hit[0], tensors)):
         _CACHE.move_to_end(key)
         return hit[1]
@@ -119,6 +128,8 @@ def block_map(program: Program, masks: MaskInfo, roles: AxisRoles, sizes: dict[s
         order = torch.argsort((~sel).to(torch.int8), dim=-1, stable=True).to(torch.int32)
         out[f"{BLOCK_MAP_PREFIX}{kind}_count"] = sel.sum(dim=-1, dtype=torch.int32).contiguous()
         out[f"{BLOCK_MAP_PREFIX}{kind}_index"] = order.contiguous()
+    if capturing:
+        return out
     _CACHE[key] = (tuple(weakref.ref(t) for t in tensors), out)
     _CACHE.move_to_end(key)
     while len(_CACHE) > _CACHE_SIZE:
