@@ -332,6 +332,25 @@ def test_reductions_across_programs_are_refused_not_miscomputed():
     torch.testing.assert_close(a, torch.exp(x - x.max(-1, keepdim=True).values).sum(-1))
 
 
+@nf.program
+def max_of_exp_of_a_sum(x):
+    total = x.sum(axis=-1, keepdims=True)
+    return nf.exp((x - total) * 0.5).max(axis=-1)
+
+
+@pytest.mark.parametrize("schedule", [None, nf.split_k(splits=3)])
+def test_a_repair_exponentiating_a_running_sum_is_refused_not_overflowed(schedule):
+    """Partial sums are not bounded by the final one: exp((x - partial) / 2) overflows float32 on
+    the way while the true maximum is tiny (fuzz seed 173 gave nan where the reference gives ~0)."""
+    x = randn(4, 40) * 30
+    with pytest.raises(nf.FusionError, match=r"stage 'max0'.*running sum.*overflow"):
+        nf.compile(max_of_exp_of_a_sum, schedule=schedule)(x)
+    with pytest.warns(UserWarning, match="unfused"):
+        out = nf.compile(max_of_exp_of_a_sum, schedule=schedule, allow_fallback=True)(x)
+    expected = torch.exp((x.double() - x.double().sum(-1, keepdim=True)) * 0.5).amax(-1)
+    torch.testing.assert_close(out, expected.float(), rtol=1e-4, atol=0.0)
+
+
 @pytest.mark.parametrize("schedule", [None, nf.split_k(splits=4)])
 def test_probabilities_and_logsumexp_together(schedule):
     @nf.program

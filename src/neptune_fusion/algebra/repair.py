@@ -52,15 +52,21 @@ class Repair:
 
 
 def derive_repair(stage: str, reducer: str, axis: str, g: Expr, producers: tuple[str, ...],
-                  positive: frozenset[str] = frozenset()) -> Repair:
+                  positive: frozenset[str] = frozenset(), sums: frozenset[str] = frozenset()) -> Repair:
     """Derive and prove the repair of reduction `stage` (`reducer` over `axis` of `g`).
 
     `positive`: producers whose running value is > 0 once it has seen a term (reductions of
-    positive maps, `positive_map`); the proofs may use it. Raises FusionError naming the stage, the
-    reduction and the condition that failed.
+    positive maps, `positive_map`); the proofs may use it. `sums`: producers that are sums of terms
+    of either sign, whose running values are not bounded by their final ones: a repair that
+    exponentiates a change in one is refused, since the running value can overflow float32 long
+    before the last term brings it back (`exp((x - sum(x)) / 2)`, where the plain program gives 0
+    and a rolling one inf * 0). Sums of non-negative terms (`nonnegative_map`) only grow, from 0 to
+    the final sum, so their exponentials stay between the inputs' and the final ones.
+    Raises FusionError naming the stage, the reduction and the condition that failed.
     """
     try:
-        return _derive_cached(stage, reducer, axis, g, tuple(sorted(producers)), frozenset(positive) & set(producers))
+        return _derive_cached(stage, reducer, axis, g, tuple(sorted(producers)), frozenset(positive) & set(producers),
+                              frozenset(sums) & set(producers))
     except _SYMPY_FAILURES as exc:
         raise FusionError("repair derivation", stage, f"{reducer} over {axis}",
                           f"the algebra (SymPy) could not decide a condition on the map {format_expr(g)}: "
@@ -73,7 +79,7 @@ _SYMPY_FAILURES = (NotImplementedError, TypeError, ValueError, ArithmeticError, 
 
 @functools.lru_cache(maxsize=1024)
 def _derive_cached(stage: str, reducer: str, axis: str, g: Expr, producers: tuple[str, ...],
-                   positive: frozenset[str]) -> Repair:
+                   positive: frozenset[str], sums: frozenset[str] = frozenset()) -> Repair:
     where = f"{reducer} over {axis}"
 
     def fail(condition: str) -> FusionError:
@@ -115,9 +121,26 @@ def _derive_cached(stage: str, reducer: str, axis: str, g: Expr, producers: tupl
             continue
         ok, proof = _distributes(h, t, reducer)
         if ok:
+            unbounded = sorted(p for p in sums if _exponentiates(h, {table.old(p), table.new(p)}))
+            if unbounded:
+                raise fail(
+                    f"the repair h = {h} exponentiates a change in the running sum(s) {unbounded} of terms of "
+                    f"either sign: partial sums are not bounded by the final sum, so the running value can "
+                    f"overflow float32 before the last term (under exp a repair may use a running max or "
+                    f"min, or a sum of non-negative terms)"
+                )
             return Repair(S.from_sympy(h, table), combine, f"g splits with '{combine}'; h = {h}; {proof}")
         failures.append(proof)
     raise fail("repair fails distribution over the reducer: " + "; ".join(failures))
+
+
+def _exponentiates(h: object, symbols: set[object]) -> bool:
+    """Whether an exponential in `h` (exp, or a constant raised to a power) has any of `symbols` in its exponent."""
+    for node in S.preorder(h):
+        exponent = S.exponent_of(node)
+        if exponent is not None and exponent.free_symbols & symbols:
+            return True
+    return False
 
 
 def positive_map(g: Expr, producers: tuple[str, ...], positive: frozenset[str] = frozenset()) -> bool:
@@ -128,6 +151,26 @@ def positive_map(g: Expr, producers: tuple[str, ...], positive: frozenset[str] =
     except S.NotAlgebraic:
         return False
     return S.is_positive(sym)
+
+
+def nonnegative_map(g: Expr, producers: tuple[str, ...], positive: frozenset[str] = frozenset()) -> bool:
+    """Whether every value of the map `g` is >= 0, so the partial sums of it never decrease and stay
+    between 0 and the final sum (`sum x * x`, a softmax normaliser).
+
+    Loads become symbols of their own here (not opaque subexpressions), so the sign of `x * x` is
+    seen; a buffer loaded at two different indices is left opaque, since one symbol would say that
+    `x[i] * x[j]` is a square.
+    """
+    indices: dict[str, set[object]] = {}
+    for node in walk(g):
+        if isinstance(node, Load):
+            indices.setdefault(node.buffer, set()).add(node.index)
+    names = set(producers) | {b for b, ix in indices.items() if len(ix) == 1}
+    try:
+        sym, _ = S.to_sympy(g, names, S.SymbolTable(positive=positive))
+    except S.NotAlgebraic:
+        return False
+    return S.is_nonnegative(sym)
 
 
 def _drop_identity_guards(g: Expr, identity: float, producers: tuple[str, ...]) -> Expr:

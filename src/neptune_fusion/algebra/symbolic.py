@@ -15,7 +15,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import sympy as sp
 
@@ -234,3 +234,17 @@ def symbol(name: str) -> sp.Symbol:
 
 
 NEG_INF = -sp.oo
+
+
+def preorder(expr: sp.Expr) -> Iterator[sp.Expr]:
+    """Every subexpression of `expr`, outermost first."""
+    return iter(sp.preorder_traversal(expr))
+
+
+def exponent_of(node: sp.Expr) -> sp.Expr | None:
+    """The exponent of an exponential node (`exp(a)`, or `c ** a` with a constant base c), else None."""
+    if isinstance(node, sp.exp):
+        return node.args[0]
+    if isinstance(node, sp.Pow) and not node.base.free_symbols and node.exp.free_symbols:
+        return node.exp
+    return None

@@ -22,6 +22,7 @@ from neptune_fusion.ir.expr import (
     Load,
     Reduce,
     Running,
+    Unary,
     Where,
     transform_bottom_up,
 )
@@ -29,7 +30,7 @@ from neptune_fusion.ir.program import FusedLoop, InputBuffer, OutputSpec, Progra
 from neptune_fusion.transform.inline import inline_along, inline_elementwise, inline_stages
 from neptune_fusion.transform.normalize import hoist_invariant_factors
 from neptune_fusion.transform.polynomial import expand_polynomial_reductions
-from neptune_fusion.transform.rolling import rolling_update
+from neptune_fusion.transform.rolling import nonnegative_sums, rolling_update
 from neptune_fusion.transform.split_k import split_k_update
 
 
@@ -92,16 +93,24 @@ def combine_program(fused: Program) -> Program:
     def part(name: str) -> Load:
         return Load(f"part_{name}", (split, *(Index(a) for a in loop.member(name).axes)))
 
+    # A chunk's partial sum of non-negative terms is >= 0; written as |part| (equal to it, NaN
+    # kept) the combine's own repair derivation sees that too, as it saw it in the main loop, and
+    # accepts exponentials of it (derive_repair refuses them for sums of terms of either sign).
+    nonnegative = nonnegative_sums(loop)
+
+    def own_part(name: str) -> Expr:
+        return Unary("abs", part(name)) if name in nonnegative else part(name)
+
     for m in loop.members:
         producers = loop.producers.get(m.name, ())
-        body: Expr = part(m.name)
+        body: Expr = own_part(m.name)
         if producers:
             repair = loop.repairs[m.name]
             assert repair is not None
 
             def rule(node: Expr, m: Stage = m, repair: Expr = repair) -> Expr | None:
                 if isinstance(node, Accumulator):
-                    return part(m.name)
+                    return own_part(m.name)
                 if isinstance(node, Running):
                     prod = loop.member(node.stage)
                     if node.which == "old":

@@ -11,7 +11,7 @@ Example:
 
 from __future__ import annotations
 
-from neptune_fusion.algebra.repair import derive_repair, positive_map
+from neptune_fusion.algebra.repair import derive_repair, nonnegative_map, positive_map
 from neptune_fusion.analysis.chains import transitive_reads
 from neptune_fusion.ir.errors import FusionError
 from neptune_fusion.ir.expr import Expr, Index, Load, Reduce, walk
@@ -33,6 +33,7 @@ def build_fused_loop(program: Program, axis: str, mode: str = "rolling", splits:
     order = _topological(members, producers)
     repairs: dict[str, Expr | None] = {}
     positive: set[str] = set()  # members whose running value is > 0 once they have a term
+    signed_sums: set[str] = set()  # sums of terms of either sign: their partial sums are unbounded
     for m in order:  # producers first: what is known about them (positivity) serves their readers
         assert isinstance(m.body, Reduce)
         where = f"{m.body.op} over {axis}"
@@ -54,10 +55,30 @@ def build_fused_loop(program: Program, axis: str, mode: str = "rolling", splits:
                         f"reads the running value {p!r} at indices other than its own axes {prod.axes}",
                     )
         known = frozenset(positive & set(direct))
-        repairs[m.name] = derive_repair(m.name, m.body.op, axis, m.body.body, direct, known).h if direct else None
+        sums = frozenset(p for p in direct if p in signed_sums)
+        repairs[m.name] = derive_repair(m.name, m.body.op, axis, m.body.body, direct, known, sums).h if direct else None
         if m.body.op in ("sum", "max", "min") and positive_map(m.body.body, direct, known):
             positive.add(m.name)
+        elif m.body.op == "sum" and not nonnegative_map(m.body.body, direct, known):
+            signed_sums.add(m.name)
     return FusedLoop(f"loop_{axis}", axis, tuple(order), producers, repairs, mode, splits)
+
+
+def nonnegative_sums(loop: FusedLoop) -> frozenset[str]:
+    """The sum members of `loop` whose terms are all >= 0 (what `build_fused_loop` proved of them,
+    with the same knowledge of which producers are positive)."""
+    positive: set[str] = set()
+    out: set[str] = set()
+    for m in loop.members:  # producers first
+        assert isinstance(m.body, Reduce)
+        direct = loop.producers.get(m.name, ())
+        known = frozenset(positive & set(direct))
+        is_positive = m.body.op in ("sum", "max", "min") and positive_map(m.body.body, direct, known)
+        if is_positive:
+            positive.add(m.name)
+        if m.body.op == "sum" and (is_positive or nonnegative_map(m.body.body, direct, known)):
+            out.add(m.name)
+    return frozenset(out)
 
 
 def _topological(members: list[Stage], producers: dict[str, tuple[str, ...]]) -> list[Stage]:
