@@ -93,15 +93,15 @@ def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: 
         # chunks are whole tiles: drop splits that would be left without any
         chunk_tiles = math.ceil(math.ceil(cols / block_col) / splits)
         splits = math.ceil(math.ceil(cols / block_col) / chunk_tiles)
-        resident = math.ceil(programs * splits / num_sms)
-        stage_bytes = block_col * sum(full_sizes.values()) * (4 if dtype == "f32" else 2)
-    if splits > 1 and not interpreter and resident <= 2 and resident * 3 * stage_bytes <= SHARED_BYTES:
         # with at most two programs per multiprocessor, a third stage keeps more bytes in flight
         # and still fits twice in shared memory (packed GQA 64/8 at 16k / 32k: 31.4 / 49.2 us with
         # 64-wide tiles and 3 stages, 33.7 / 52.0 with 128-wide and 2, 31.8 / 49.4 with 128-wide and
         # 3; softcap 32/16 at 16k: 48.9 vs 49.9; bench/results/run33/decode_profile.json). With more
         # programs per multiprocessor 2 stages stay (MHA 32/32 at 16k: 78.9 vs 86.9 us with 3).
-        stages = 3
+        resident = math.ceil(programs * splits / num_sms)
+        stage_bytes = block_col * sum(full_sizes.values()) * (4 if dtype == "f32" else 2)
+        if not interpreter and resident <= 2 and resident * 3 * stage_bytes <= SHARED_BYTES:
+            stages = 3
     if isinstance(schedule, (Flash, SplitK)):
         block_row = schedule.block_q or block_row
         block_col = schedule.block_k or block_col
