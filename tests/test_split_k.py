@@ -262,3 +262,23 @@ def test_split_k_merge_whose_finiteness_sympy_cannot_decide(schedule):
     x = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
     out = nf.compile(min_normalised_by_a_clamped_square_of_the_max, schedule=schedule)(x)
     torch.testing.assert_close(out, (x / torch.clamp(x.amax(-1, keepdim=True) ** 2, min=1.0)).amin(-1))
+
+
+def test_split_k_choice_fills_the_device_and_deepens_the_pipeline_when_it_fits():
+    """The plan rules measured on the H200 (bench/results/run33, run34): few programs get short
+    chunks until every multiprocessor has one; at most two programs per multiprocessor get a third
+    stage unless three stages of two programs would not fit in shared memory."""
+    from neptune_fusion.schedule.auto import choose
+    from neptune_fusion.schedule.templates import Auto
+
+    def plan(hq: int, hkv: int, seq: int, d: int = 128):
+        return choose(Auto(), rows=hq // hkv, cols=seq, batch=hkv,
+                      full_sizes={"d": d, "e": d}, dtype="f16", num_sms=132, interpreter=False)
+
+    gqa_1k = plan(64, 8, 1024)
+    assert (gqa_1k.splits, gqa_1k.num_stages, gqa_1k.block_col) == (16, 3, 64)  # 8 programs x 16 splits
+    mha_16k = plan(32, 32, 16384)
+    assert (mha_16k.splits, mha_16k.num_stages) == (16, 2)  # 512 programs: four per multiprocessor
+    head_256 = plan(16, 16, 9001, d=256)
+    assert head_256.num_stages == 2  # 3 stages x 64 KB x 2 programs do not fit
+    assert plan(64, 8, 32768).num_stages == 3
