@@ -11,8 +11,9 @@ import json
 import os
 import platform
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch._inductor.config
@@ -75,3 +76,30 @@ def write_results(name: str, payload: dict[str, Any]) -> Path:
     path = out_dir / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2))
     return path
+
+
+def host_us(call: Callable[[], Any], n: int = 300) -> float:
+    """Host time of one call while the GPU keeps up (the launches queue without waiting)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(n):
+        call()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / n * 1e6
+
+
+@contextmanager
+def environment_switches(env: dict[str, str]) -> Iterator[None]:
+    """Set environment switches for one variant (they are read when a kernel is compiled), then
+    restore what was there."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

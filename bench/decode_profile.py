@@ -12,11 +12,8 @@ that `do_bench` includes; `do_bench` medians are reported beside them. Writes $O
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import time
-from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -26,26 +23,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
 import neptune_fusion as nf
-from bench.common import bench, environment, rel_err, warm_up_gpu, write_results
+from bench.common import bench, environment, environment_switches, host_us, rel_err, warm_up_gpu, write_results
 from bench.decode import OPS, plain
 from bench.explore import decode_case
 from bench.read_ceiling import _read_sum
 
 FLUSH_BYTES = 256 * 2**20
-
-
-@contextmanager
-def switches(env: dict[str, str]) -> Iterator[None]:
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def kernel_breakdown(call: Callable[[], object], iters: int = 30) -> dict:
@@ -86,17 +69,6 @@ def kernel_breakdown(call: Callable[[], object], iters: int = 30) -> dict:
     return {"kernels_us": {n: med(v) for n, v in names.items()}, "lead_us": med(lead) if lead else None,
             "span_us": med(span) if span else None, "between_us": med(between) if between else None,
             "iterations": len(groups)}
-
-
-def host_us(call: Callable[[], object], n: int = 300) -> float:
-    """Host time of one call when the GPU keeps up (launches queue without waiting)."""
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(n):
-        call()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / n * 1e6
 
 
 def read_call(nbytes: int, programs: int) -> Callable[[], None]:
@@ -140,7 +112,7 @@ def run_case(op: str, seq: int, rounds: int) -> dict:
         if schedule is not None and seq < schedule.splits * (schedule.block_k or 64):
             continue
         fn = nf.compile(plain(kind), schedule=schedule)
-        with switches(env):
+        with environment_switches(env):
             try:
                 err = rel_err(fn(q, k, v, slopes, scale), ref)
             except Exception as exc:  # noqa: BLE001 - a variant that cannot compile is recorded
@@ -152,14 +124,14 @@ def run_case(op: str, seq: int, rounds: int) -> dict:
         envs[name] = env
     for name in ("auto", "auto_fused", "auto_no_pdl", "s16_k64_st2", "cudnn", "read_528"):
         if name in calls:
-            with switches(envs.get(name, {})):
+            with environment_switches(envs.get(name, {})):
                 row["variants"][name]["profile"] = kernel_breakdown(calls[name])
                 row["variants"][name]["host_us"] = host_us(calls[name])
     for name in calls:
         row["variants"][name]["us_rounds"] = []
     for _ in range(rounds):
         for name, call in calls.items():
-            with switches(envs.get(name, {})):
+            with environment_switches(envs.get(name, {})):
                 row["variants"][name]["us_rounds"].append(bench(call))
     for name, r in row["variants"].items():
         r["us"] = min(r["us_rounds"])

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -25,7 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import neptune_fusion as nf
-from bench.common import bench, environment, rel_err, try_time, warm_up_gpu, write_results
+from bench.common import bench, environment, environment_switches, rel_err, try_time, warm_up_gpu, write_results
 from bench.decode import OPS as DECODE_OPS
 from bench.decode import plain, torch_plain
 from bench.flex_ops import make_case
@@ -65,17 +63,6 @@ def kernel_stats(fn: object) -> dict:
                 "num_warps": meta.num_warps, "ws_applied": "ttg.warp_specialize" in compiled.asm.get("ttgir", "")}
     except Exception as exc:  # noqa: BLE001 - statistics are a bonus, never fatal
         return {"error": f"{type(exc).__name__}: {exc}"}
-
-
-@contextmanager
-def environment_switches(env: dict[str, str]):
-    """Set environment switches for one variant (they are read when a kernel is compiled)."""
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for key in env:
-            os.environ.pop(key)
 
 
 def timed(label: str, call: Callable[[], torch.Tensor], check: Callable[[torch.Tensor], float]) -> dict | None:

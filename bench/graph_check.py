@@ -8,25 +8,14 @@ values written into the captured inputs (correct against fp32), and times replay
 
 from __future__ import annotations
 
-import time
 from typing import Any, Callable
 
 import torch
 
 import neptune_fusion as nf
-from bench.common import bench, environment, rel_err, warm_up_gpu, write_results
+from bench.common import bench, environment, host_us, rel_err, warm_up_gpu, write_results
 from bench.decode import plain, torch_plain
 from bench.gluon_check import reference
-
-
-def host_us(call: Callable[[], Any], n: int = 300) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(n):
-        call()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / n * 1e6
 
 
 def captured(call: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
