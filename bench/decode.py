@@ -3,7 +3,10 @@
 One query token against the whole KV sequence. The same plain attention programs as
 prefill; the compiler picks split-K (FlashDecoding) and packs GQA groups by itself.
 
-    python bench/decode.py [--seqs 1024 4096 16384 32768] [--ops dc_causal ...]
+    python bench/decode.py [--seqs 1024 4096 16384 32768] [--ops dc_causal ...] [--rounds 5]
+
+Every system is timed in interleaved rounds and keeps its best do_bench median (short cases read
+host time at moments, bench/NOTES.md item 33).
 
 Writes $OUT/decode.json (or bench/results/decode.json) and prints a table.
 """
@@ -108,7 +111,7 @@ def sweep(op: str, seq: int, dim: int = 128) -> dict:
     return {n: {"us": t, "rel_err": e} for n, (t, e) in out.items()}
 
 
-def run_case(op: str, seq: int, dim: int = 128, rounds: int = 3) -> dict:
+def run_case(op: str, seq: int, dim: int = 128, rounds: int = 5) -> dict:
     hq, hkv, kind = OPS[op]
     torch.manual_seed(0)
     q = torch.randn(1, hq, 1, dim, device="cuda", dtype=torch.float16)
@@ -175,7 +178,7 @@ def main() -> None:
     ap.add_argument("--seqs", type=int, nargs="+", default=[1024, 4096, 16384, 32768])
     ap.add_argument("--ops", nargs="+", default=list(OPS))
     ap.add_argument("--sweep", action="store_true", help="also time split-K settings by hand")
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (the best median is kept)")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (the best median is kept)")
     args = ap.parse_args()
     warm_up_gpu()
     results = []
