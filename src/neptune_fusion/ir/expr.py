@@ -34,7 +34,8 @@ REDUCER_IDENTITY: dict[str, float] = {"sum": 0.0, "max": -math.inf, "min": math.
 # as the readers are repaired from the same stand-in (the repair's replacement condition).
 RUNNING_STAND_IN: dict[str, float] = {"max": 0.0, "min": 0.0, "sum": 1.0}
 DTYPES = ("f32", "f16", "bf16", "i32", "i64", "bool")
-NARROW_INT_DTYPES = ("i8", "i16", "u8")  # input element types only: widened to i32 when loaded
+# input element types only, widened to i32 when loaded (short name -> torch's name)
+NARROW_INT_DTYPES = {"i8": "int8", "i16": "int16", "u8": "uint8"}
 
 
 class Expr:

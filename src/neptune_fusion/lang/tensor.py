@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Sequence, Union
 
 from neptune_fusion.ir.expr import (
+    NARROW_INT_DTYPES,
     Binary,
     Cast,
     Const,
@@ -389,14 +390,14 @@ _DTYPE_NAMES = {
 
 # integer inputs narrower than 32 bits: loaded as stored, widened to int32 at once (a kernel
 # computes indices and comparisons in int32; a cast to them is not supported)
-NARROW_INT_DTYPES = {"int8": "i8", "int16": "i16", "uint8": "u8"}
+_NARROW_INT_NAMES = {torch_name: short for short, torch_name in NARROW_INT_DTYPES.items()}
 
 
 def input_dtype_name(dtype: object) -> str:
     """Our short name for the dtype of an input tensor: a cast target or a narrow integer ('int8' -> 'i8')."""
     key = str(dtype).replace("torch.", "")
-    if key in NARROW_INT_DTYPES:
-        return NARROW_INT_DTYPES[key]
+    if key in _NARROW_INT_NAMES:
+        return _NARROW_INT_NAMES[key]
     if key not in _DTYPE_NAMES:
         raise TypeError(f"unsupported dtype {dtype!r}; supported: float32, float16, bfloat16, int64, int32, int16, "
                         "int8, uint8, bool")

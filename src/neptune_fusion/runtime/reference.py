@@ -24,6 +24,7 @@ from typing import Any, Mapping
 import torch
 
 from neptune_fusion.ir.expr import (
+    NARROW_INT_DTYPES,
     REDUCER_IDENTITY,
     RUNNING_STAND_IN,
     Accumulator,
@@ -49,7 +50,7 @@ _TORCH_DTYPES = {
 }
 
 
-_NARROW_INTS = (torch.int8, torch.int16, torch.uint8)
+_NARROW_INTS = tuple(getattr(torch, name) for name in NARROW_INT_DTYPES.values())
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -32,9 +32,8 @@ def build_fused_loop(program: Program, axis: str, mode: str = "rolling", splits:
     producers = {m.name: tuple(sorted(names & m.reads())) for m in members}
     order = _topological(members, producers)
     repairs: dict[str, Expr | None] = {}
-    positive: set[str] = set()  # members whose running value is > 0 once they have a term
-    signed_sums: set[str] = set()  # sums of terms of either sign: their partial sums are unbounded
-    for m in order:  # producers first: what is known about them (positivity) serves their readers
+    positive, nonnegative = _signs(order, producers)
+    for m in order:
         assert isinstance(m.body, Reduce)
         where = f"{m.body.op} over {axis}"
         direct = producers[m.name]
@@ -55,30 +54,32 @@ def build_fused_loop(program: Program, axis: str, mode: str = "rolling", splits:
                         f"reads the running value {p!r} at indices other than its own axes {prod.axes}",
                     )
         known = frozenset(positive & set(direct))
-        sums = frozenset(p for p in direct if p in signed_sums)
-        repairs[m.name] = derive_repair(m.name, m.body.op, axis, m.body.body, direct, known, sums).h if direct else None
-        if m.body.op in ("sum", "max", "min") and positive_map(m.body.body, direct, known):
-            positive.add(m.name)
-        elif m.body.op == "sum" and not nonnegative_map(m.body.body, direct, known):
-            signed_sums.add(m.name)
+        # sums of terms of either sign: their partial sums are unbounded (derive_repair refuses exp of them)
+        signed_sums = frozenset(p for p in direct if program.stage(p).body.op == "sum" and p not in nonnegative)
+        repairs[m.name] = derive_repair(m.name, m.body.op, axis, m.body.body, direct, known, signed_sums).h \
+            if direct else None
     return FusedLoop(f"loop_{axis}", axis, tuple(order), producers, repairs, mode, splits)
 
 
-def nonnegative_sums(loop: FusedLoop) -> frozenset[str]:
-    """The sum members of `loop` whose terms are all >= 0 (what `build_fused_loop` proved of them,
-    with the same knowledge of which producers are positive)."""
+def _signs(order: list[Stage], producers: dict[str, tuple[str, ...]]) -> tuple[set[str], set[str]]:
+    """(members whose running value is > 0 once they have a term, sum members whose terms are all
+    >= 0), producers first: what is known of a producer's sign serves its readers' proofs."""
     positive: set[str] = set()
-    out: set[str] = set()
-    for m in loop.members:  # producers first
+    nonnegative: set[str] = set()
+    for m in order:
         assert isinstance(m.body, Reduce)
-        direct = loop.producers.get(m.name, ())
+        direct = producers.get(m.name, ())
         known = frozenset(positive & set(direct))
-        is_positive = m.body.op in ("sum", "max", "min") and positive_map(m.body.body, direct, known)
-        if is_positive:
+        if m.body.op in ("sum", "max", "min") and positive_map(m.body.body, direct, known):
             positive.add(m.name)
-        if m.body.op == "sum" and (is_positive or nonnegative_map(m.body.body, direct, known)):
-            out.add(m.name)
-    return frozenset(out)
+        if m.body.op == "sum" and (m.name in positive or nonnegative_map(m.body.body, direct, known)):
+            nonnegative.add(m.name)
+    return positive, nonnegative
+
+
+def nonnegative_sums(loop: FusedLoop) -> frozenset[str]:
+    """The sum members of `loop` whose terms are all >= 0, as `build_fused_loop` proved them."""
+    return frozenset(_signs(list(loop.members), loop.producers)[1])
 
 
 def _topological(members: list[Stage], producers: dict[str, tuple[str, ...]]) -> list[Stage]:
