@@ -1,0 +1,212 @@
+"""FlexAttention `BlockMask` support: its sparse block lists as dense tables a traced mask_mod can index.
+
+Compiled FlexAttention visits, for each (batch, head, query block), only the key blocks listed in
+`kv_indices[..., :kv_num_blocks]` (*partial* blocks, where `mask_mod` is applied) and in
+`full_kv_indices[..., :full_kv_num_blocks]` (*full* blocks, where it is not); every other block is
+skipped. So a position (b, h, q, kv) is attended to iff
+
+    full[b', h', q // QB, kv // KB]  |  (partial[b', h', q // QB, kv // KB]  &  mask_mod(b, h, q, kv))
+
+with (QB, KB) = `block_mask.BLOCK_SIZE` and b' = 0 / h' = 0 where the BlockMask's batch / head dim
+is 1 (broadcast). Positions past the sequence lengths never exist (the inputs' lengths must equal
+`block_mask.seq_lengths`). Note that *eager* `flex_attention` (no torch.compile) ignores the block
+lists and applies only `mask_mod`; this module follows the compiled kernels, which is what a
+`BlockMask.from_kv_blocks(...)` (whose mask_mod is a no-op) relies on.
+
+Two steps, so the caller can cache the first and trace the second:
+- `block_tables(block_mask, batch, heads, q_len, kv_len)` validates the BlockMask against the
+  inputs and builds the dense boolean tables (torch ops only, traceable by dynamo fullgraph);
+- `visible(...)` (or the ready-made `as_mask_mod(tables)`) is the keep condition above, written as
+  an ordinary FlexAttention mask_mod body, so nf's tracer turns the table reads into gathers of
+  captured tensors.
+
+Example:
+    >>> import torch
+    >>> from torch.nn.attention.flex_attention import create_block_mask
+    >>> def causal(b, h, q_idx, kv_idx):
+    ...     return q_idx >= kv_idx
+    >>> bm = create_block_mask(causal, None, None, 200, 136, device="cpu", BLOCK_SIZE=64)
+    >>> t = block_tables(bm, batch=2, heads=4, q_len=200, kv_len=136)
+    >>> tuple(t.partial.shape), t.q_block, t.kv_block, t.mask_mod is causal
+    ((1, 1, 4, 3), 64, 64, True)
+    >>> t.full[0, 0].int().tolist()     # below the diagonal: no mask_mod (the last row is padded, never full)
+    [[0, 0, 0], [1, 0, 0], [1, 1, 0], [0, 0, 0]]
+    >>> t.partial[0, 0].int().tolist()
+    [[1, 0, 0], [0, 1, 0], [0, 0, 1], [1, 1, 1]]
+    >>> mask_mod = as_mask_mod(t)       # then: nf.attention(q, k, v, mask_mod=mask_mod)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.nn.attention import flex_attention as _flex
+from torch.nn.attention.flex_attention import BlockMask
+
+__all__ = ["BlockTables", "as_mask_mod", "block_tables", "visible"]
+
+MaskMod = Callable[[Any, Any, Any, Any], Any]
+
+# BlockMask of flex_attention(block_mask=None): one block as large as any sequence; torch skips the
+# sequence-length check for it (private in torch, hence the fallback)
+_LARGE_BLOCK = getattr(_flex, "_LARGE_SPARSE_BLOCK_SIZE", 1 << 30)
+_SLICED_MASK_MOD = getattr(_flex, "_sliced_mask_mod_error", None)  # torch >= 2.9 only
+
+
+@dataclass(frozen=True, eq=False)  # eq=False: comparing tensor fields elementwise would be meaningless
+class BlockTables:
+    """A BlockMask's block lists as dense tables, for one (batch, heads, q_len, kv_len) of inputs.
+
+    `partial` / `full` are bool (Bm, Hm, QB, KB) on the BlockMask's device, with Bm in {1, batch}
+    and Hm in {1, heads} as the BlockMask has them (size 1: broadcast), QB = ceil(q_len / q_block),
+    KB = ceil(kv_len / kv_block). `full` is None when the BlockMask has no full lists. A block set
+    in both is visited twice by torch's kernel (double counted); here it is simply visible.
+    `mask_mod` is the BlockMask's mask_mod, None when it is torch's `noop_mask` (always True).
+    """
+
+    partial: torch.Tensor
+    full: torch.Tensor | None
+    q_block: int
+    kv_block: int
+    mask_mod: MaskMod | None
+
+
+def _cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def _check_lengths(block_mask: BlockMask, q_len: int, kv_len: int) -> None:
+    """flex_attention's own check (its messages), so a misfit fails here as it would there."""
+    if tuple(block_mask.BLOCK_SIZE) == (_LARGE_BLOCK, _LARGE_BLOCK):
+        return  # the "no block mask" BlockMask fits any lengths
+    bm_q, bm_kv = block_mask.seq_lengths
+    if q_len > bm_q or kv_len > bm_kv:
+        raise ValueError(
+            f"block_mask was created for block_mask.shape={tuple(block_mask.shape)} but got q_len={q_len} "
+            f"and kv_len={kv_len}. As the block mask was created for a smaller length than you're using it "
+            "for, you likely need to create a new block mask."
+        )
+    if q_len != bm_q or kv_len != bm_kv:
+        raise ValueError(
+            f"block_mask was created for block_mask.shape={tuple(block_mask.shape)} but got q_len={q_len} "
+            f"and kv_len={kv_len}. As the block mask was created for a larger length than you're using it "
+            "for, create a new block mask with the correct length, or crop it with "
+            "block_mask._adjust(q_len, kv_len) (which is wrong for some mask_mods)."
+        )
+
+
+def _check_lists(name: str, num: torch.Tensor, idx: torch.Tensor, batch: int, heads: int, rows: int) -> None:
+    if idx.dim() != 4 or num.dim() != 3 or tuple(num.shape) != tuple(idx.shape[:3]):
+        raise ValueError(
+            f"block_mask.{name} must have shape (B, H, q_blocks, n) and its num_blocks (B, H, q_blocks), "
+            f"got {tuple(idx.shape)} and {tuple(num.shape)}; index a BlockMask only by slicing, "
+            "keeping its 4 dims"
+        )
+    bm_b, bm_h, bm_rows, _ = idx.shape
+    if bm_b not in (1, batch):
+        raise ValueError(f"block_mask has batch size {bm_b}, which must be 1 or the inputs' batch size {batch}")
+    if bm_h not in (1, heads):
+        raise ValueError(f"block_mask has {bm_h} heads, which must be 1 or the inputs' number of query heads {heads}")
+    if bm_rows < rows:
+        raise ValueError(
+            f"block_mask.{name} has {bm_rows} query-block rows, fewer than the {rows} the sequence "
+            "length needs"
+        )
+    if idx.is_floating_point() or num.is_floating_point() or idx.dtype == torch.bool:
+        raise ValueError(f"block_mask.{name} and its num_blocks must be integer tensors, got {idx.dtype}, {num.dtype}")
+
+
+def _dense(num: torch.Tensor, idx: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Scatter the first num entries of each index row into a (.., cols) bool table.
+
+    Unlisted slots (and out-of-range indices, which the kernel would read as garbage) go to an
+    extra padding column that is dropped, so nothing depends on tensor values (dynamo fullgraph).
+    """
+    idx = idx[:, :, :rows].long()
+    slot = torch.arange(idx.shape[-1], device=idx.device)
+    listed = (slot < num[:, :, :rows, None]) & (idx >= 0) & (idx < cols)
+    col = torch.where(listed, idx, cols)
+    table = torch.zeros((*idx.shape[:3], cols + 1), dtype=torch.int8, device=idx.device)
+    table = table.scatter(-1, col, 1)
+    return table[..., :cols] != 0
+
+
+def block_tables(block_mask: BlockMask, batch: int, heads: int, q_len: int, kv_len: int) -> BlockTables:
+    """Validate `block_mask` for inputs (batch, heads [query heads], q_len, kv_len) and densify its lists.
+
+    Raises TypeError for a non-BlockMask, ValueError where it doesn't fit (flex_attention's
+    seq_lengths rule: lengths must equal `block_mask.seq_lengths`; batch / heads 1 or equal; enough
+    query-block rows), RuntimeError for a sliced BlockMask whose mask_mod torch replaced by an error
+    stub (as flex_attention does). Only shapes and attributes are inspected, never tensor values,
+    so this traces under torch.compile(fullgraph=True); nothing is cached (the caller does). The
+    caller checks that the tables' device is the inputs' (flex_attention raises RuntimeError).
+    """
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask must be a torch.nn.attention.flex_attention.BlockMask, got {type(block_mask).__name__}")
+    mask_mod = block_mask.mask_mod
+    mask_mod = getattr(mask_mod, "fn", mask_mod) if type(mask_mod).__name__ == "_MaskModWrapper" else mask_mod
+    if _SLICED_MASK_MOD is not None and mask_mod is _SLICED_MASK_MOD:
+        raise RuntimeError(
+            "Cannot use mask_mod from a sliced BlockMask: set block_mask.mask_mod from the original BlockMask's "
+            "mask_mod (shifted to the slice) first"
+        )
+    q_block, kv_block = (int(s) for s in block_mask.BLOCK_SIZE)
+    if q_block <= 0 or kv_block <= 0:
+        raise ValueError(f"block_mask.BLOCK_SIZE must be positive, got {tuple(block_mask.BLOCK_SIZE)}")
+    _check_lengths(block_mask, q_len, kv_len)
+    rows, cols = _cdiv(q_len, q_block), _cdiv(kv_len, kv_block)
+    num, idx = block_mask.kv_num_blocks, block_mask.kv_indices
+    _check_lists("kv_indices", num, idx, batch, heads, rows)
+    partial = _dense(num, idx, rows, cols)
+    full = None
+    if block_mask.full_kv_num_blocks is not None and block_mask.full_kv_indices is not None:
+        fnum, fidx = block_mask.full_kv_num_blocks, block_mask.full_kv_indices
+        _check_lists("full_kv_indices", fnum, fidx, batch, heads, rows)
+        if tuple(fidx.shape[:2]) != tuple(idx.shape[:2]):
+            raise ValueError(
+                f"block_mask.full_kv_indices has batch/heads {tuple(fidx.shape[:2])} but kv_indices "
+                f"{tuple(idx.shape[:2])}; the kernel indexes both with the partial lists' sizes"
+            )
+        full = _dense(fnum, fidx, rows, cols)
+    if mask_mod is _flex.noop_mask:
+        mask_mod = None
+    return BlockTables(partial, full, q_block, kv_block, mask_mod)
+
+
+def visible(partial: Any, full: Any | None, q_block: int, kv_block: int, user_keep: Any,
+            b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    """The keep condition `full[..] | (partial[..] & user_keep)` at (b, h, q_idx, kv_idx).
+
+    `partial` / `full` are the tables (torch tensors captured by a traced mask_mod, or symbolic
+    tensors); `user_keep` is the BlockMask mask_mod's result at these indices, or None / True.
+    The index arguments are what a FlexAttention mask_mod receives (nf's symbolic tensors, or
+    torch's under vmap). A table dim of size 1 is read at index 0 (broadcast); an int 0, not
+    `b * 0`, since nf's gather takes ints for fixed positions.
+    """
+    bb = 0 if partial.shape[0] == 1 else b
+    hh = 0 if partial.shape[1] == 1 else h
+    qb, kb = q_idx // q_block, kv_idx // kv_block
+    keep = partial[bb, hh, qb, kb]
+    if user_keep is not None and user_keep is not True:
+        keep = keep & user_keep
+    if full is not None:
+        keep = full[bb, hh, qb, kb] | keep
+    return keep
+
+
+def as_mask_mod(tables: BlockTables) -> MaskMod:
+    """A FlexAttention mask_mod honouring the whole BlockMask: tables plus its own mask_mod in partial blocks.
+
+    A closure over the tables (and the user's mask_mod), so nf captures the tables as kernel
+    inputs and a new closure from new tables of the same shapes reuses the compiled kernel.
+    """
+    partial, full, q_block, kv_block, user = (tables.partial, tables.full, tables.q_block, tables.kv_block,
+                                              tables.mask_mod)
+
+    def block_mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        keep = user(b, h, q_idx, kv_idx) if user is not None else None
+        return visible(partial, full, q_block, kv_block, keep, b, h, q_idx, kv_idx)
+
+    return block_mask_mod
