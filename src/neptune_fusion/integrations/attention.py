@@ -36,27 +36,31 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import math
 import types
+import warnings
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
+from neptune_fusion.integrations.blockmask import block_tables, visible
 from neptune_fusion.ir.expr import Const, simplify
 from neptune_fusion.ir.program import Program
-from neptune_fusion.lang.ops import einsum, exp, index, log, repeat_interleave, where
+from neptune_fusion.lang.ops import einsum, exp, index, log, repeat_interleave, tanh, where
 from neptune_fusion.lang.tensor import SymTensor, broadcast, cast, lift
 from neptune_fusion.lang.torch_function import CaptureTable
 from neptune_fusion.lang.trace import ArgSpec, ProgramDef, trace
 from neptune_fusion.runtime.compiled import Compiled
-from neptune_fusion.schedule.templates import Auto, Schedule
+from neptune_fusion.schedule.templates import Auto, Flash, Schedule, SplitK
 
-__all__ = ["attention", "attention_inputs", "attention_program", "clear_cache", "explain_attention"]
+__all__ = ["AuxOutput", "Builtins", "attend", "attention", "attention_inputs", "attention_program", "clear_cache",
+           "explain_attention"]
 
 ScoreMod = Callable[[Any, Any, Any, Any, Any], Any]
 MaskMod = Callable[[Any, Any, Any, Any], Any]
@@ -67,17 +71,6 @@ _MAX_COMPILED = 64
 
 
 # --------------------------------------------------------------------------- argument checks
-
-
-def _mask_mod_of(mask_mod: Any) -> MaskMod | None:
-    """A mask_mod function, or the mask_mod of a FlexAttention BlockMask."""
-    if mask_mod is None or isinstance(mask_mod, (types.FunctionType, types.MethodType, functools.partial)):
-        return mask_mod
-    if hasattr(mask_mod, "kv_num_blocks") and hasattr(mask_mod, "mask_mod"):  # a torch BlockMask
-        return mask_mod.mask_mod
-    if not callable(mask_mod):
-        raise TypeError(f"mask_mod must be a function (b, h, q_idx, kv_idx) -> bool, got {type(mask_mod).__name__}")
-    return mask_mod
 
 
 def _check_inputs(q: Any, k: Any, v: Any, score_mod: Any, scale: Any, enable_gqa: bool) -> tuple[int, float]:
@@ -136,8 +129,27 @@ def _broadcast_to(x: SymTensor, like: SymTensor, what: str) -> SymTensor:
     return SymTensor(dims, expr, x.tracer, x.kind)
 
 
-def _body(score_mod: ScoreMod | None, mask_mod: MaskMod | None, groups: int, return_lse: bool,
-          table: CaptureTable) -> Callable[..., Any]:
+class Builtins(NamedTuple):
+    """Masks and score changes the caller describes by value instead of by a function (transformers
+    models, BlockMasks): tuples of constants, so torch.compile can treat them as constants, with the
+    tensors they read passed as `extras` (in this order: block tables, key padding)."""
+
+    causal_end: bool = False  # query i sits at key position Lk - Lq + i and sees keys up to it
+    window: int | None = None  # ... and only the `window` keys ending there (needs causal_end)
+    softcap: float | None = None  # score -> softcap * tanh(score / softcap)
+    padding: bool = False  # extras hold a (B, Lk) bool key-padding mask: True = attend
+    block: tuple[int, int, bool] | None = None  # (q block, kv block, has full lists): extras hold BlockMask tables
+
+
+class Outputs(NamedTuple):
+    """Which row statistics a call returns besides the output (both float32, natural log)."""
+
+    lse: bool = False
+    max_scores: bool = False
+
+
+def _body(score_mod: ScoreMod | None, mask_mod: MaskMod | None, builtins: Builtins, extras: tuple[torch.Tensor, ...],
+          groups: int, outputs: Outputs, table: CaptureTable) -> Callable[..., Any]:
     def attention(q: SymTensor, k: SymTensor, v: SymTensor, scale: SymTensor) -> Any:
         tracer = q.tracer
         tracer.captures = table  # type: ignore[attr-defined]
@@ -146,6 +158,8 @@ def _body(score_mod: ScoreMod | None, mask_mod: MaskMod | None, groups: int, ret
             v = repeat_interleave(v, groups, 1)
         s = einsum("bhqd,bhkd->bhqk", q, k) * scale
         b, h, q_idx, kv_idx = (index(s, axis) for axis in range(4))
+        if builtins.softcap is not None:
+            s = builtins.softcap * tanh(s * (1.0 / builtins.softcap))
         if score_mod is not None:
             r = lift(score_mod(s, b, h, q_idx, kv_idx), tracer)
             if r.kind == "bool":
@@ -153,25 +167,51 @@ def _body(score_mod: ScoreMod | None, mask_mod: MaskMod | None, groups: int, ret
             if r.kind == "int":
                 r = cast(r, "f32")
             s = _broadcast_to(r, s, "score_mod")
-        if mask_mod is not None:
-            keep = lift(mask_mod(b, h, q_idx, kv_idx), tracer)
-            if keep.kind != "bool":
-                raise TypeError(f"mask_mod must return a boolean (e.g. q_idx >= kv_idx), got a value of kind {keep.kind}")
+        keep = None if mask_mod is None else _mask_of(mask_mod(b, h, q_idx, kv_idx), tracer)
+        rest = list(extras)
+        if builtins.block is not None:
+            q_block, kv_block, has_full = builtins.block
+            partial = rest.pop(0)
+            full = rest.pop(0) if has_full else None
+            keep = visible(partial, full, q_block, kv_block, keep, b, h, q_idx, kv_idx)
+            keep = _mask_of(keep, tracer)
+        offset = k.shape[2] - q.shape[2]
+        if builtins.causal_end:
+            keep = _and(keep, _mask_of(q_idx + offset >= kv_idx, tracer))
+            if builtins.window is not None:
+                keep = _and(keep, _mask_of(q_idx + offset - kv_idx < builtins.window, tracer))
+        if builtins.padding:
+            keep = _and(keep, _mask_of(rest.pop(0)[b, kv_idx], tracer))
+        if keep is not None:
             cond = simplify(keep.expr)  # e.g. and_masks' `True & m` -> m, so the mask analysis sees m
             if not (isinstance(cond, Const) and cond.value is True):
-                keep = SymTensor(keep.dims, cond, tracer, "bool")
-                s = where(keep, s, -math.inf)
+                s = where(SymTensor(keep.dims, cond, tracer, "bool"), s, -math.inf)
         m = s.max(axis=-1, keepdims=True)
         p = exp(s - m)
         denom = p.sum(axis=-1, keepdims=True)
         u = einsum("bhqk,bhke->bhqe", p, v)
-        out = where(denom > 0, u / denom, 0.0)
-        if not return_lse:
-            return out
-        lse = where(denom > 0, m + log(denom), -math.inf)
-        return out, cast(lse[..., 0], "f32")  # stored in float32, as FlexAttention returns it
+        # only rows whose every score is -inf (no visible key) give 0: a NaN score reaches its row
+        empty = m == -math.inf
+        out = where(empty, 0.0, u / denom)
+        stats = []
+        if outputs.lse:
+            stats.append(cast(where(empty, -math.inf, m + log(denom))[..., 0], "f32"))  # float32, as FlexAttention
+        if outputs.max_scores:
+            stats.append(cast(m[..., 0], "f32"))
+        return (out, *stats) if stats else out
 
     return attention
+
+
+def _mask_of(value: Any, tracer: Any) -> SymTensor:
+    keep = lift(value, tracer)
+    if keep.kind != "bool":
+        raise TypeError(f"mask_mod must return a boolean (e.g. q_idx >= kv_idx), got a value of kind {keep.kind}")
+    return keep
+
+
+def _and(a: SymTensor | None, b: SymTensor) -> SymTensor:
+    return b if a is None else a & b
 
 
 # --------------------------------------------------------------------------- caching
@@ -179,21 +219,38 @@ def _body(score_mod: ScoreMod | None, mask_mod: MaskMod | None, groups: int, ret
 
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)
 
+# How to reach a tensor a mod closes over, from the mod: a tuple of steps, each ("cell", i),
+# ("global", name), ("default", i), ("kwdefault", name), ("item", i), ("func",), ("self",),
+# ("arg", i) or ("keyword", name). torch.compile follows the same steps (`_follow`) to pass the
+# tensors into the graph as inputs, so it sees (and guards) the values of every call.
+Path = tuple[tuple[Any, ...], ...]
 
-def _value_key(value: Any, tensors: list[torch.Tensor], seen: set[int], depth: int) -> Any:
+
+class _Walk:
+    """Tensors found while keying a mod, in order, with the path to each."""
+
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+        self.paths: list[Path] = []
+        self.seen: set[int] = set()
+
+
+def _value_key(value: Any, walk: _Walk, path: Path, depth: int) -> Any:
     if isinstance(value, _SCALARS):
         return (type(value).__name__, value)
     if isinstance(value, torch.Tensor):
-        tensors.append(value)
+        walk.tensors.append(value)
+        walk.paths.append(path)
         return ("tensor", tuple(value.shape), value.dtype, str(value.device))
     if isinstance(value, (torch.dtype, torch.device)):
         return ("torch", str(value))
     if isinstance(value, types.ModuleType):
         return ("module", value.__name__)
     if isinstance(value, (types.FunctionType, types.MethodType, functools.partial)):
-        return _fn_key(value, tensors, seen, depth + 1)
+        return _fn_key(value, walk, path, depth + 1)
     if isinstance(value, (tuple, list)) and len(value) <= 64:
-        return (type(value).__name__, tuple(_value_key(x, tensors, seen, depth) for x in value))
+        return (type(value).__name__,
+                tuple(_value_key(x, walk, (*path, ("item", i)), depth) for i, x in enumerate(value)))
     if isinstance(value, type):
         return ("type", value)
     return ("object", type(value).__qualname__, id(value))
@@ -209,33 +266,77 @@ def _global_names(code: types.CodeType) -> tuple[str, ...]:
     return tuple(sorted(names))
 
 
-def _fn_key(fn: Any, tensors: list[torch.Tensor], seen: set[int], depth: int = 0) -> Any:
+def _fn_key(fn: Any, walk: _Walk, path: Path = (), depth: int = 0) -> Any:
     """What a traced function depends on: its code and what it closes over (see module docstring)."""
     if fn is None:
         return None
     if depth > 6:
         return ("deep", id(fn))
     if isinstance(fn, functools.partial):
-        return ("partial", _fn_key(fn.func, tensors, seen, depth + 1),
-                _value_key(fn.args, tensors, seen, depth), _value_key(sorted(fn.keywords.items()), tensors, seen, depth))
+        args = tuple(_value_key(x, walk, (*path, ("arg", i)), depth) for i, x in enumerate(fn.args))
+        kws = tuple((n, _value_key(fn.keywords[n], walk, (*path, ("keyword", n)), depth)) for n in sorted(fn.keywords))
+        return ("partial", _fn_key(fn.func, walk, (*path, ("func",)), depth + 1), args, kws)
     if isinstance(fn, types.MethodType):
-        return ("method", _value_key(fn.__self__, tensors, seen, depth), _fn_key(fn.__func__, tensors, seen, depth + 1))
+        return ("method", _value_key(fn.__self__, walk, (*path, ("self",)), depth),
+                _fn_key(fn.__func__, walk, (*path, ("func",)), depth + 1))
     if not isinstance(fn, types.FunctionType):
         return ("callable", type(fn).__qualname__, id(fn))
-    if id(fn) in seen:
+    if id(fn) in walk.seen:
         return ("recursive", fn.__code__)
-    seen.add(id(fn))
+    walk.seen.add(id(fn))
     cells = []
-    for cell in fn.__closure__ or ():
+    for i, cell in enumerate(fn.__closure__ or ()):
         try:
-            cells.append(_value_key(cell.cell_contents, tensors, seen, depth))
+            contents = cell.cell_contents
         except ValueError:  # an empty cell
             cells.append(("empty",))
+            continue
+        cells.append(_value_key(contents, walk, (*path, ("cell", i)), depth))
     g = fn.__globals__
-    globs = tuple((n, _value_key(g[n], tensors, seen, depth)) for n in _global_names(fn.__code__) if n in g)
-    defaults = _value_key(fn.__defaults__, tensors, seen, depth)
-    kwdefaults = _value_key(sorted((fn.__kwdefaults__ or {}).items()), tensors, seen, depth)
+    globs = tuple((n, _value_key(g[n], walk, (*path, ("global", n)), depth))
+                  for n in _global_names(fn.__code__) if n in g)
+    defaults = tuple(_value_key(x, walk, (*path, ("default", i)), depth) for i, x in enumerate(fn.__defaults__ or ()))
+    kwdefaults = tuple((n, _value_key(x, walk, (*path, ("kwdefault", n)), depth))
+                       for n, x in sorted((fn.__kwdefaults__ or {}).items()))
     return ("fn", fn.__code__, tuple(cells), globs, defaults, kwdefaults)
+
+
+def _follow(obj: Any, path: Path) -> Any:
+    """The value `path` (from `_fn_key`) reaches from `obj`; written so torch.compile can trace it."""
+    for step in path:
+        kind = step[0]
+        if kind == "cell":
+            obj = obj.__closure__[step[1]].cell_contents
+        elif kind == "global":
+            obj = obj.__globals__[step[1]]
+        elif kind == "default":
+            obj = obj.__defaults__[step[1]]
+        elif kind == "kwdefault":
+            obj = obj.__kwdefaults__[step[1]]
+        elif kind in ("item", "arg"):
+            obj = (obj if kind == "item" else obj.args)[step[1]]
+        elif kind == "keyword":
+            obj = obj.keywords[step[1]]
+        elif kind == "func":
+            obj = obj.func if isinstance(obj, functools.partial) else obj.__func__
+        else:  # "self"
+            obj = obj.__self__
+    return obj
+
+
+def _describe(mod_name: str, fn: Any, path: Path) -> str:
+    """Where a captured tensor comes from, for error messages ("score_mod's closure variable 'slopes'")."""
+    step = path[-1] if path else ("",)
+    if step[0] == "cell":
+        owner = fn
+        for s in path[:-1]:
+            owner = _follow(owner, (s,))
+        names = getattr(getattr(owner, "__code__", None), "co_freevars", ())
+        if step[1] < len(names):
+            return f"{mod_name}'s closure variable {names[step[1]]!r}"
+    if step[0] == "global":
+        return f"{mod_name}'s global {step[1]!r}"
+    return f"a tensor {mod_name} captures"
 
 
 # (id of a captured 0-d tensor, device) -> (weak reference to it, its version when copied, the copy)
@@ -286,6 +387,17 @@ def _remember(cache: OrderedDict[Any, Any], key: Any, value: Any, limit: int) ->
         cache.popitem(last=False)
 
 
+class _Request(NamedTuple):
+    """What a call asks for, apart from its tensors: constants (torch.compile keys a handle on them)."""
+
+    score_mod: Any
+    mask_mod: Any
+    builtins: Builtins
+    outputs: Outputs
+    enable_gqa: bool
+    schedule: Schedule | None
+
+
 @dataclass
 class _Call:
     """Everything one call resolves: the program, its named arguments and the compile key."""
@@ -293,20 +405,30 @@ class _Call:
     program: Program
     args: dict[str, Any]
     struct_key: Any
+    paths: tuple[Path, ...]  # per found closure tensor (the extras follow them): where it lives
 
 
-def _resolve(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod: Any, mask_mod: Any, scale: Any,
-             enable_gqa: bool, return_lse: bool, checked: tuple[int, float] | None = None) -> _Call:
-    mask_mod = _mask_mod_of(mask_mod)
-    groups, scale = checked or _check_inputs(q, k, v, score_mod, scale, enable_gqa)
-    found: list[torch.Tensor] = []
-    fns = (_fn_key(score_mod, found, set()), _fn_key(mask_mod, found, set()))
-    struct = (fns, tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, return_lse)
+def _keys(request: _Request) -> tuple[Any, _Walk]:
+    walk = _Walk()
+    fns = (_fn_key(request.score_mod, walk, (("item", 0),)), _fn_key(request.mask_mod, walk, (("item", 1),)))
+    return fns, walk
+
+
+def _resolve(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: _Request, extras: tuple[torch.Tensor, ...],
+             scale: float, groups: int, keyed: tuple[Any, _Walk] | None = None,
+             found: list[torch.Tensor] | None = None) -> _Call:
+    """The program and named arguments of a call. `found` (the closure tensors, then the extras)
+    is given when torch.compile passes them; otherwise they are found by walking the mods."""
+    fns, walk = keyed or _keys(request)
+    if found is None:
+        found = [*walk.tensors, *extras]
+    struct = (fns, request.builtins, request.outputs, tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype,
+              tuple((tuple(t.shape), t.dtype) for t in extras))
     entry = _programs.get(struct)
     if entry is _IDENTITY:
         entry = _programs.get((struct, tuple(id(t) for t in found)))
     if entry is None:
-        entry = _trace_entry(q, k, v, score_mod, mask_mod, groups, return_lse, found)
+        entry = _trace_entry(q, k, v, request, extras, groups, [*walk.tensors, *extras])
         if entry.by_identity:
             _remember(_programs, struct, _IDENTITY, _MAX_PROGRAMS)
             _remember(_programs, (struct, tuple(id(t) for t in found)), entry, _MAX_PROGRAMS)
@@ -321,15 +443,16 @@ def _resolve(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod: Any, 
                                  f"but query is on {q.device}")
             t = scalar_on_device(t, q.device)  # a scalar made on the CPU, e.g. torch.tensor(50.0)
         args[name] = t
-    return _Call(entry.program, args, (fns, return_lse))
+    return _Call(entry.program, args, (fns, request.builtins, request.outputs), tuple(walk.paths))
 
 
-def _trace_entry(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod: Any, mask_mod: Any, groups: int,
-                 return_lse: bool, found: list[torch.Tensor]) -> _Traced:
+def _trace_entry(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: _Request,
+                 extras: tuple[torch.Tensor, ...], groups: int, found: list[torch.Tensor]) -> _Traced:
     table = CaptureTable(q.device)
     specs = [ArgSpec(n, tuple(int(s) for s in t.shape), "float") for n, t in (("q", q), ("k", k), ("v", v))]
     specs.append(ArgSpec("scale", None, "float"))
-    program = trace(_body(score_mod, mask_mod, groups, return_lse, table), specs, "attention")
+    body = _body(request.score_mod, request.mask_mod, request.builtins, extras, groups, request.outputs, table)
+    program = trace(body, specs, "attention")
     sources: list[int | torch.Tensor] = []
     for t in table.tensors:
         pos = next((i for i, f in enumerate(found) if f is t), None)
@@ -372,23 +495,238 @@ def _compiled_for(call: _Call, schedule: Schedule | None) -> Compiled:
     return compiled
 
 
+def _check_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: _Request,
+                extras: tuple[torch.Tensor, ...], captured: list[torch.Tensor], paths: tuple[Path, ...] | list[Path],
+                names: tuple[str, ...] | None = None) -> None:
+    """No silent gradient-free results: the kernels have no backward yet."""
+    tensors = [q, k, v, *captured, *extras]
+    if not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
+        return
+    if names is None:
+        mods = (request.score_mod, request.mask_mod)
+        names = tuple(_describe(("score_mod", "mask_mod")[p[0][1]], mods[p[0][1]], p[1:]) for p in paths)
+    labels = ["query", "key", "value", *names, *_extra_names(request.builtins)]
+    what = next(label for label, t in zip(labels, tensors) if t.requires_grad)
+    raise RuntimeError(
+        f"neptune_fusion attention has no backward yet, but {what} requires grad: its result would silently "
+        f"carry no gradient. Make the call forward-only (run it under `torch.no_grad()` or "
+        f"`torch.inference_mode()`, or pass detached tensors), or use torch's flex_attention to train.")
+
+
+def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: _Request, extras: tuple[torch.Tensor, ...],
+         scale: float, groups: int, found: list[torch.Tensor] | None = None,
+         keyed: tuple[Any, _Walk] | None = None) -> tuple[torch.Tensor, ...]:
+    """Run the fused kernel: (out, *requested statistics)."""
+    if 0 in q.shape[:3] or k.shape[2] == 0:  # nothing to compute, or every row fully masked
+        out = q.new_zeros((*q.shape[:3], v.shape[3]))
+        stat = torch.full(q.shape[:3], -math.inf, dtype=torch.float32, device=q.device)
+        return (out, *(stat.clone() for _ in range(sum(request.outputs))))
+    if found is None:  # an eager call (torch.compile checks before its op)
+        keyed = _keys(request)
+        _check_grad(q, k, v, request, extras, keyed[1].tensors, keyed[1].paths)
+    call = _resolve(q, k, v, request, extras, scale, groups, keyed, found)
+    result = _compiled_for(call, request.schedule)(*call.args.values())
+    return result if isinstance(result, tuple) else (result,)
+
+
+# --------------------------------------------------------------------------- torch.compile
+
+
+@dataclass(frozen=True)
+class _Handle:
+    request: _Request
+    groups: int
+    keyed: tuple[Any, _Walk]  # the mods' key, and the tensors they held when first seen
+    paths: tuple[Path, ...]
+
+
+_handles: list[_Handle] = []
+_handle_of: dict[Any, int] = {}
+
+
+@torch._dynamo.assume_constant_result
+def _static_handle(score_mod: Any, mask_mod: Any, builtins: tuple[Any, ...], outputs: tuple[bool, ...],
+                   enable_gqa: bool, schedule: Any, groups: int) -> tuple[int, tuple[Path, ...], tuple[str, ...]]:
+    """A handle for what the op needs apart from tensors, the paths from the mods to the tensors
+    they capture (torch.compile follows them, so each call passes the current ones) and their
+    names for error messages. Runs once per compilation: torch.compile keeps the result (the
+    request comes in flat: torch.compile passes plain tuples and functions as constants)."""
+    request = _Request(score_mod, mask_mod, Builtins(*builtins), Outputs(*outputs), enable_gqa, schedule)
+    keyed = _keys(request)
+    fns, walk = keyed
+    key = (fns, request, groups)
+    if key not in _handle_of:
+        _handle_of[key] = len(_handles)
+        _handles.append(_Handle(request, groups, keyed, tuple(walk.paths)))
+    mods = (request.score_mod, request.mask_mod)
+    names = tuple(_describe(("score_mod", "mask_mod")[p[0][1]], mods[p[0][1]], p[1:]) for p in walk.paths)
+    return _handle_of[key], tuple(walk.paths), names
+
+
+@torch.library.custom_op("neptune_fusion::flex_attention", mutates_args=())
+def _flex_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, captures: list[torch.Tensor],
+                       handle: int, scale: float) -> list[torch.Tensor]:
+    """One fused attention kernel as a torch op: what torch.compile puts in its graph."""
+    h = _handles[handle]
+    return list(_run(query, key, value, h.request, _extras_of(h, captures), scale, h.groups, captures, h.keyed))
+
+
+def _extras_of(h: _Handle, captures: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    return tuple(captures[len(h.paths):])
+
+
+@_flex_attention_op.register_fake
+def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, captures: list[torch.Tensor], handle: int,
+      scale: float) -> list[torch.Tensor]:
+    outputs = _handles[handle].request.outputs
+    out = query.new_empty((*query.shape[:3], value.shape[3]))
+    return [out, *(query.new_empty(query.shape[:3], dtype=torch.float32) for _ in range(sum(outputs)))]
+
+
+def _run_compiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: _Request,
+                  extras: tuple[torch.Tensor, ...], scale: float, groups: int) -> tuple[torch.Tensor, ...]:
+    """The call as torch.compile traces it: the captured tensors become inputs of one op."""
+    handle, paths, names = _static_handle(request.score_mod, request.mask_mod, tuple(request.builtins),
+                                          tuple(request.outputs), request.enable_gqa, request.schedule, groups)
+    mods = (request.score_mod, request.mask_mod)
+    captured = [_follow(mods, p) for p in paths]
+    _check_grad(q, k, v, request, extras, captured, paths, names)
+    return tuple(_flex_attention_op(q, k, v, [*captured, *extras], handle, scale))
+
+
+def _extra_names(builtins: Builtins) -> list[str]:
+    names = []
+    if builtins.block is not None:
+        names += ["the block_mask's partial-block table", *(["its full-block table"] if builtins.block[2] else [])]
+    if builtins.padding:
+        names.append("the key padding mask")
+    return names
+
+
 # --------------------------------------------------------------------------- the user API
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod: ScoreMod | None = None,
-              mask_mod: MaskMod | None = None, scale: float | None = None, enable_gqa: bool = False,
-              return_lse: bool = False, schedule: Schedule | None = None) -> Any:
-    """Attention with FlexAttention's `score_mod` / `mask_mod`, compiled to one fused kernel.
+# kernel_options keys that mean something here, and the schedule field each sets
+_KERNEL_OPTIONS = {"BLOCK_M": "block_q", "BLOCK_N": "block_k", "num_warps": "num_warps", "num_stages": "num_stages"}
+_warned_options: set[frozenset[str]] = set()
 
-    q: (B, Hq, Lq, E); k: (B, Hkv, Lkv, E); v: (B, Hkv, Lkv, Ev), one dtype (float16, bfloat16,
-    float32) and one device (CUDA, or CPU under TRITON_INTERPRET=1). `Hq != Hkv` needs
-    `enable_gqa=True` and `Hq % Hkv == 0` (query head h uses key/value head h // (Hq // Hkv)).
-    `score_mod(score, b, h, q_idx, kv_idx)` returns the modified score (score already scaled);
-    `mask_mod(b, h, q_idx, kv_idx)` returns True where the key is attended to (a FlexAttention
-    `BlockMask` is accepted for its mask_mod). Rows with no attended key give 0. Returns the
-    output (B, Hq, Lq, Ev) in the input dtype, and with `return_lse` also the logsumexp
-    (B, Hq, Lq) as float32 (natural log, -inf for fully masked rows). `schedule` (nf.flash(),
-    nf.split_k(), ...) overrides the template chosen from the shapes. Forward only (no autograd).
+
+def _schedule_from(kernel_options: dict[str, Any] | None, schedule: Schedule | None) -> Schedule | None:
+    """FlexAttention's kernel_options mapped onto the schedule; the keys that mean nothing here
+    are ignored with one warning naming them.
+
+    Example:
+        >>> _schedule_from({"BLOCK_M": 64, "BLOCK_N": 32}, None)
+        Flash(block_q=64, block_k=32, num_warps=None, num_stages=None, prefetch_dot=None)
+    """
+    if not kernel_options:
+        return schedule
+    if not isinstance(kernel_options, dict):
+        raise TypeError(f"kernel_options must be a dict, got {type(kernel_options).__name__}")
+    ignored = frozenset(k for k in kernel_options if k not in _KERNEL_OPTIONS)
+    if ignored and ignored not in _warned_options:
+        _warned_options.add(ignored)
+        warnings.warn(f"neptune_fusion: kernel_options {sorted(ignored)} have no meaning here and are ignored "
+                      f"(used: {sorted(_KERNEL_OPTIONS)})", stacklevel=3)
+    fields = {_KERNEL_OPTIONS[k]: v for k, v in kernel_options.items() if k in _KERNEL_OPTIONS}
+    if not fields:
+        return schedule
+    if schedule is None or isinstance(schedule, Auto):
+        backend = kernel_options.get("BACKEND")
+        return (SplitK if backend == "TRITON_DECODE" else Flash)(**fields)
+    if isinstance(schedule, (Flash, SplitK)):
+        return dataclasses.replace(schedule, **{f: v for f, v in fields.items() if getattr(schedule, f) is None})
+    return schedule
+
+
+def _outputs_of(return_lse: bool, return_aux: Any) -> Outputs:
+    if return_aux is None:
+        return Outputs(lse=bool(return_lse))
+    if return_lse:
+        raise ValueError("Cannot specify both return_lse and return_aux; use return_aux=AuxRequest(lse=True)")
+    if not hasattr(return_aux, "lse") or not hasattr(return_aux, "max_scores"):
+        raise TypeError(f"return_aux must be an AuxRequest(lse=..., max_scores=...), got {type(return_aux).__name__}")
+    return Outputs(lse=bool(return_aux.lse), max_scores=bool(return_aux.max_scores))
+
+
+class AuxOutput(NamedTuple):
+    """FlexAttention's auxiliary outputs (torch's own AuxOutput where torch has it)."""
+
+    lse: torch.Tensor | None = None
+    max_scores: torch.Tensor | None = None
+
+
+try:
+    from torch.nn.attention.flex_attention import AuxOutput  # type: ignore[no-redef,assignment] # noqa: F811
+except ImportError:  # torch before 2.9
+    pass
+
+
+def _is_block_mask(x: Any) -> bool:
+    return hasattr(x, "kv_num_blocks") and hasattr(x, "BLOCK_SIZE") and hasattr(x, "mask_mod")
+
+
+_NOOP_BLOCK = 1 << 30  # FlexAttention's BLOCK_SIZE of a BlockMask that masks nothing
+
+
+def _block_builtins(block_mask: Any, mask_mod: Any, q: torch.Tensor, k: torch.Tensor
+                    ) -> tuple[Any, tuple[int, int, bool] | None, tuple[torch.Tensor, ...]]:
+    """(the mask_mod to trace, the block-table builtin, the tables) of a call's mask arguments."""
+    if block_mask is None and _is_block_mask(mask_mod):  # a BlockMask given as mask_mod= means the same
+        block_mask, mask_mod = mask_mod, None
+    if block_mask is None:
+        if mask_mod is not None and not callable(mask_mod):
+            raise TypeError(f"mask_mod must be a function (b, h, q_idx, kv_idx) -> bool, got {type(mask_mod).__name__}")
+        return mask_mod, None, ()
+    if mask_mod is not None:
+        raise ValueError("pass either block_mask= or mask_mod=, not both (a BlockMask carries its own mask_mod)")
+    if not _is_block_mask(block_mask):
+        raise TypeError(f"block_mask must be a torch.nn.attention.flex_attention.BlockMask, got "
+                        f"{type(block_mask).__name__}; pass a mask function as mask_mod=")
+    if block_mask.kv_num_blocks.device != q.device:
+        raise RuntimeError(f"Expect q/k/v and block_mask to be on the same device but got {q.device} and "
+                           f"{block_mask.kv_num_blocks.device}")
+    if tuple(block_mask.BLOCK_SIZE) == (_NOOP_BLOCK, _NOOP_BLOCK):
+        return block_mask.mask_mod, None, ()
+    tables = block_tables(block_mask, q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    extras = (tables.partial,) if tables.full is None else (tables.partial, tables.full)
+    return tables.mask_mod, (tables.q_block, tables.kv_block, tables.full is not None), extras
+
+
+def _call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: _Request, extras: tuple[torch.Tensor, ...],
+          scale: float | None) -> tuple[torch.Tensor, ...]:
+    groups, scale = _check_inputs(q, k, v, request.score_mod, scale, request.enable_gqa)
+    if torch.compiler.is_compiling():
+        return _run_compiled(q, k, v, request, extras, scale, groups)
+    return _run(q, k, v, request, extras, scale, groups)
+
+
+def _request(q: torch.Tensor, k: torch.Tensor, score_mod: Any, block_mask: Any, mask_mod: Any, enable_gqa: bool,
+             outputs: Outputs, schedule: Schedule | None) -> tuple[_Request, tuple[torch.Tensor, ...]]:
+    mask_fn, block, extras = _block_builtins(block_mask, mask_mod, q, k)
+    return _Request(score_mod, mask_fn, Builtins(block=block), outputs, bool(enable_gqa), schedule), extras
+
+
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: ScoreMod | None = None,
+              block_mask: Any = None, scale: float | None = None, enable_gqa: bool = False, return_lse: bool = False,
+              kernel_options: dict[str, Any] | None = None, *, return_aux: Any = None, mask_mod: MaskMod | None = None,
+              schedule: Schedule | None = None) -> Any:
+    """FlexAttention's `flex_attention`, same signature, compiled to one fused kernel.
+
+    query: (B, Hq, Lq, E); key: (B, Hkv, Lkv, E); value: (B, Hkv, Lkv, Ev), one dtype (float16,
+    bfloat16, float32) and one device (CUDA, or CPU under TRITON_INTERPRET=1). `Hq != Hkv` needs
+    `enable_gqa=True` and `Hq % Hkv == 0`. `score_mod(score, b, h, q_idx, kv_idx)` returns the
+    modified score (already scaled). `block_mask` (a FlexAttention `BlockMask`) is honoured as
+    compiled FlexAttention honours it: only listed blocks are visited, its `mask_mod` applies in
+    partial blocks, full blocks are visible whole. `mask_mod=` is a shortcut for a mask given as a
+    function (analysed exactly: affine masks become loop bounds). Rows with no visible key give 0.
+    Returns the output (B, Hq, Lq, Ev) in the input dtype; with `return_lse` also the logsumexp
+    (B, Hq, Lq) in float32; with `return_aux=AuxRequest(lse=..., max_scores=...)` the output and
+    an `AuxOutput`. `kernel_options` keys BLOCK_M, BLOCK_N, num_warps and num_stages set the
+    schedule; others are ignored with a warning. `schedule` (nf.flash(), nf.split_k(), ...)
+    overrides the template chosen from the shapes. No backward yet: inputs that require grad
+    (in grad mode) raise a RuntimeError. Works inside `torch.compile(fullgraph=True)`, for mods
+    defined outside the compiled function.
 
     Example:
         >>> import torch, neptune_fusion as nf
@@ -397,49 +735,100 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod: Scor
         ...     return score + slopes[h] * (kv_idx - q_idx)
         >>> def causal(b, h, q_idx, kv_idx):
         ...     return q_idx >= kv_idx
-        >>> # out = nf.attention(q, k, v, score_mod=alibi, mask_mod=causal)
+        >>> q = k = v = torch.randn(1, 8, 16, 16)
+        >>> out = nf.attention(q, k, v, score_mod=alibi, mask_mod=causal)   # doctest: +SKIP
     """
-    checked = _check_inputs(q, k, v, score_mod, scale, enable_gqa)
-    if 0 in q.shape[:3] or k.shape[2] == 0:  # nothing to compute, or every row fully masked
-        out = q.new_zeros((*q.shape[:3], v.shape[3]))
-        lse = torch.full(q.shape[:3], -math.inf, dtype=torch.float32, device=q.device)
-        return (out, lse) if return_lse else out
-    call = _resolve(q, k, v, score_mod, mask_mod, scale, enable_gqa, return_lse, checked)
-    compiled = _compiled_for(call, schedule)
-    result = compiled(*call.args.values())
-    if return_lse:
-        out, lse = result
-        return out, lse
-    return result
+    outputs = _outputs_of(return_lse, return_aux)
+    request, extras = _request(query, key, score_mod, block_mask, mask_mod, enable_gqa, outputs,
+                               _schedule_from(kernel_options, schedule))
+    out, *stats = _call(query, key, value, request, extras, scale)
+    if return_aux is not None:
+        lse = stats.pop(0) if outputs.lse else None
+        return out, AuxOutput(lse=lse, max_scores=stats.pop(0) if outputs.max_scores else None)
+    return (out, stats[0]) if outputs.lse else out
+
+
+def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, scale: float | None = None,
+           enable_gqa: bool = False, causal: bool = False, window: int | None = None, softcap: float | None = None,
+           key_padding: torch.Tensor | None = None, return_lse: bool = False,
+           schedule: Schedule | None = None) -> Any:
+    """Attention described by values, as model code asks for it (transformers models): no functions
+    to trace, so it compiles the same inside and outside torch.compile.
+
+    `causal` aligns the queries to the end of the keys (query i sits at key position Lk - Lq + i:
+    prefill and decode over a KV cache alike); `window=W` (with causal) also drops keys W or more
+    positions before the query; `softcap=c` maps the scaled score s to c * tanh(s / c);
+    `key_padding` (B, Lk) bool, True where the key is attended. Shapes as in `attention`.
+
+    Example:
+        >>> import torch
+        >>> q = k = v = torch.randn(1, 2, 8, 16)
+        >>> out = attend(q, k, v, causal=True, window=4, softcap=30.0)   # doctest: +SKIP
+    """
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be a positive int, got {window!r}")
+        if not causal:
+            raise ValueError("window needs causal=True (the window ends at the query's position)")
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0:
+            raise ValueError(f"softcap must be a positive number, got {softcap!r}")
+        softcap = float(softcap)
+    extras: tuple[torch.Tensor, ...] = ()
+    if key_padding is not None:
+        if not isinstance(key_padding, torch.Tensor) or key_padding.dtype != torch.bool:
+            raise TypeError("key_padding must be a bool tensor (B, Lk), True where the key is attended")
+        if tuple(key_padding.shape) != (query.shape[0], key.shape[2]):
+            raise ValueError(f"key_padding must have shape (batch, kv_len) = {(query.shape[0], key.shape[2])}, "
+                             f"got {tuple(key_padding.shape)}")
+        extras = (key_padding,)
+    builtins = Builtins(bool(causal), window, softcap, key_padding is not None)
+    request = _Request(None, None, builtins, Outputs(lse=bool(return_lse)), bool(enable_gqa), schedule)
+    out, *stats = _call(query, key, value, request, extras, scale)
+    return (out, stats[0]) if return_lse else out
+
+
+def _resolve_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod: Any, block_mask: Any, mask_mod: Any,
+                  scale: float | None, enable_gqa: bool, return_lse: bool, schedule: Schedule | None = None
+                  ) -> tuple[_Call, _Request]:
+    request, extras = _request(q, k, score_mod, block_mask, mask_mod, enable_gqa, Outputs(lse=return_lse), schedule)
+    groups, scale = _check_inputs(q, k, v, score_mod, scale, enable_gqa)
+    return _resolve(q, k, v, request, extras, scale, groups), request
 
 
 def attention_program(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod: ScoreMod | None = None,
-                      mask_mod: MaskMod | None = None, scale: float | None = None, enable_gqa: bool = False,
-                      return_lse: bool = False) -> Program:
+                      block_mask: Any = None, scale: float | None = None, enable_gqa: bool = False,
+                      return_lse: bool = False, *, mask_mod: MaskMod | None = None) -> Program:
     """The plain (unfused) Program that `attention` compiles for these arguments.
 
     Its inputs are `q`, `k`, `v`, the captured tensors `cap0`, `cap1`, ... and the scalar
     parameter `scale`; `attention_inputs` gives them by name, for `nf.run_reference`.
 
     Example:
-        >>> # prog = nf.attention_program(q, k, v, mask_mod=causal)
-        >>> # out = nf.run_reference(prog, nf.attention_inputs(q, k, v, mask_mod=causal))
+        >>> import torch, neptune_fusion as nf
+        >>> q = k = v = torch.randn(1, 2, 8, 16)
+        >>> causal = lambda b, h, q_idx, kv_idx: q_idx >= kv_idx
+        >>> prog = nf.attention_program(q, k, v, mask_mod=causal)
+        >>> out = nf.run_reference(prog, nf.attention_inputs(q, k, v, mask_mod=causal))
+        >>> tuple(out.shape)
+        (1, 2, 8, 16)
     """
-    return _resolve(q, k, v, score_mod, mask_mod, scale, enable_gqa, return_lse).program
+    return _resolve_call(q, k, v, score_mod, block_mask, mask_mod, scale, enable_gqa, return_lse)[0].program
 
 
 def attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod: ScoreMod | None = None,
-                     mask_mod: MaskMod | None = None, scale: float | None = None, enable_gqa: bool = False,
-                     return_lse: bool = False) -> dict[str, Any]:
+                     block_mask: Any = None, scale: float | None = None, enable_gqa: bool = False,
+                     return_lse: bool = False, *, mask_mod: MaskMod | None = None) -> dict[str, Any]:
     """The named arguments of `attention_program(...)`: q, k, v, scale and the captured tensors."""
-    return _resolve(q, k, v, score_mod, mask_mod, scale, enable_gqa, return_lse).args
+    return _resolve_call(q, k, v, score_mod, block_mask, mask_mod, scale, enable_gqa, return_lse)[0].args
 
 
 def explain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod: ScoreMod | None = None,
-                      mask_mod: MaskMod | None = None, scale: float | None = None, enable_gqa: bool = False,
-                      return_lse: bool = False, schedule: Schedule | None = None) -> str:
+                      block_mask: Any = None, scale: float | None = None, enable_gqa: bool = False,
+                      return_lse: bool = False, *, mask_mod: MaskMod | None = None,
+                      schedule: Schedule | None = None) -> str:
     """`nf.explain` for `attention(...)`: the traced program, each fusion pass, the tile program, the Triton source."""
     from neptune_fusion.runtime.explain import explain
 
-    call = _resolve(q, k, v, score_mod, mask_mod, scale, enable_gqa, return_lse)
+    call, request = _resolve_call(q, k, v, score_mod, block_mask, mask_mod, scale, enable_gqa, return_lse, schedule)
     return explain(_compiled_for(call, schedule), **call.args)

@@ -355,6 +355,19 @@ def _grid_group(row_tiles: int, batch: int, splits: int, num_sms: int, block_map
     return None if group == 1 and batch <= MAX_GRID_AXIS else group
 
 
+# set by integrations.ops: how a call made while torch.compile traces becomes one registered op
+IN_GRAPH: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any] | None = None
+
+
+def output_specs(fn: Compiled, named: dict[str, Any]) -> list[tuple[list[int], torch.dtype]]:
+    """Shapes and dtypes of what `fn(**named)` returns, from the traced program (no kernel runs)."""
+    program = fn.program_def.trace(**named)
+    sizes = axis_extents(program, named)
+    out_dtype = next(named[b.name].dtype for b in program.inputs if named[b.name].is_floating_point())
+    return [([sizes[d] if d else 1 for d in (spec.view or spec.dims)],
+             _declared_dtype(program.stage(spec.stage).body, out_dtype)) for spec in program.outputs]
+
+
 class Compiled:
     """A program compiled for the GPU: call it with torch tensors (and Python scalars).
 
@@ -539,6 +552,17 @@ class Compiled:
 
     # --- run ----------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if IN_GRAPH is not None and torch.compiler.is_compiling():
+            return IN_GRAPH(self, args, kwargs)  # one registered op in torch.compile's graph
+        return self.run_eager(*args, **kwargs)
+
+    def run_eager(self, *args: Any, **kwargs: Any) -> Any:
+        """Launch the kernels for these arguments (what a call does outside torch.compile)."""
+        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad
+                                           for a in (*args, *kwargs.values())):
+            raise RuntimeError(f"{self.program_def.name}: nf.compile'd programs have no backward yet, but an input "
+                               f"requires grad: the result would silently carry no gradient. Run the call under "
+                               f"torch.no_grad() or pass detached tensors")
         if kwargs or len(args) != self._arity:
             args = tuple(v for _, v in self.program_def.bind(*args, **kwargs))
         key = tuple(map(_arg_key, args))

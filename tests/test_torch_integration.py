@@ -1,0 +1,211 @@
+"""nf.attention as a drop-in for FlexAttention inside PyTorch models: the exact call, torch.compile
+(one registered op, no graph break), opcheck, the grad error, kernel_options and return_aux."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_block_mask, flex_attention
+
+import neptune_fusion as nf
+from neptune_fusion.integrations.attention import _flex_attention_op, _static_handle, attend
+
+H = 4
+SLOPES = torch.exp2(-torch.arange(1, H + 1.0))
+
+
+def alibi(score, b, h, q_idx, kv_idx):
+    return score + SLOPES[h] * (kv_idx - q_idx)
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def make_alibi(slopes: torch.Tensor):
+    def scaled_alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    return scaled_alibi
+
+
+def dense(q, k, v, scale, score=None, keep=None):
+    """Plain attention in float64 over explicit score / keep tensors."""
+    s = (q.double() @ k.double().transpose(-1, -2)) * scale
+    if score is not None:
+        s = score(s)
+    if keep is not None:
+        s = s.masked_fill(~keep, -math.inf)
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    return (p @ v.double()).to(q.dtype)
+
+
+def test_flex_signature_positional_and_keyword(attn_inputs):
+    q, k, v = attn_inputs(1, H, 40, 40, 16)
+    bm = create_block_mask(causal, None, None, 40, 40, device="cpu", BLOCK_SIZE=16)
+    want = flex_attention(q, k, v, alibi, bm, 0.3)
+    torch.testing.assert_close(nf.attention(q, k, v, alibi, bm, 0.3), want, atol=2e-5, rtol=1e-4)
+    got = nf.attention(query=q, key=k, value=v, score_mod=alibi, block_mask=bm, scale=0.3, enable_gqa=False,
+                       return_lse=False, kernel_options=None, return_aux=None)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_return_aux_and_lse(attn_inputs):
+    q, k, v = attn_inputs(1, H, 24, 40, 16)
+    out, aux = nf.attention(q, k, v, score_mod=alibi, return_aux=AuxRequest(lse=True, max_scores=True))
+    want, want_lse = flex_attention(q, k, v, score_mod=alibi, return_aux=AuxRequest(lse=True))
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(aux.lse, want_lse.lse, atol=2e-5, rtol=1e-4)
+    s = (q @ k.transpose(-1, -2)) / 4.0 + SLOPES[:, None, None] * (torch.arange(40) - torch.arange(24)[:, None])
+    torch.testing.assert_close(aux.max_scores, s.amax(-1), atol=2e-5, rtol=1e-4)
+    out2, only_lse = nf.attention(q, k, v, return_aux=AuxRequest(lse=True))
+    assert only_lse.max_scores is None and only_lse.lse.dtype == torch.float32
+    _, lse = nf.attention(q, k, v, return_lse=True)
+    torch.testing.assert_close(lse, only_lse.lse)
+    with pytest.raises(ValueError, match="both return_lse and return_aux"):
+        nf.attention(q, k, v, return_lse=True, return_aux=AuxRequest(lse=True))
+
+
+def test_kernel_options_map_onto_the_schedule_and_warn_once_for_the_rest(attn_inputs):
+    q, k, v = attn_inputs(1, H, 40, 40, 16)
+    want = nf.attention(q, k, v, mask_mod=causal)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            got = nf.attention(q, k, v, mask_mod=causal, kernel_options={"BLOCK_M": 16, "BLOCK_N": 16,
+                                                                         "PRESCALE_QK": True, "USE_TMA": False})
+    ours = [str(w.message) for w in seen if "kernel_options" in str(w.message)]
+    assert len(ours) == 1 and "PRESCALE_QK" in ours[0] and "USE_TMA" in ours[0]
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    with pytest.raises(TypeError, match="kernel_options must be a dict"):
+        nf.attention(q, k, v, kernel_options=[("BLOCK_M", 16)])
+
+
+def test_block_mask_arguments_are_checked(attn_inputs):
+    q, k, v = attn_inputs(1, H, 40, 40, 16)
+    bm = create_block_mask(causal, None, None, 64, 64, device="cpu", BLOCK_SIZE=16)
+    with pytest.raises(ValueError, match="block_mask was created for"):
+        nf.attention(q, k, v, block_mask=bm)
+    with pytest.raises(ValueError, match="either block_mask= or mask_mod="):
+        nf.attention(q, k, v, block_mask=create_block_mask(causal, None, None, 40, 40, device="cpu"), mask_mod=causal)
+    with pytest.raises(TypeError, match="BlockMask"):
+        nf.attention(q, k, v, block_mask=causal)
+
+
+def test_from_kv_blocks_lists_are_honoured_inside_torch_compile(attn_inputs):
+    q, k, v = attn_inputs(1, 2, 48, 48, 16)
+    num = torch.tensor([[[1, 1, 1]]]).expand(1, 2, 3).contiguous().int()
+    idx = torch.tensor([[[[0, 0, 0], [1, 0, 0], [2, 0, 0]]]]).expand(1, 2, 3, 3).contiguous().int()
+    full_num = torch.tensor([[[1, 1, 1]]]).expand(1, 2, 3).contiguous().int()
+    full_idx = torch.tensor([[[[2, 0, 0], [0, 0, 0], [1, 0, 0]]]]).expand(1, 2, 3, 3).contiguous().int()
+    bm = BlockMask.from_kv_blocks(num, idx, full_num, full_idx, BLOCK_SIZE=16, mask_mod=causal, seq_lengths=(48, 48))
+    block = torch.arange(48) // 16
+    listed = block[:, None] == block[None, :]
+    full = torch.tensor([[0, 0, 1], [1, 0, 0], [0, 1, 0]], dtype=torch.bool)[block][:, block]
+    keep = full | (listed & (torch.arange(48)[:, None] >= torch.arange(48)[None, :]))
+    want = dense(q, k, v, 0.25, keep=keep)
+    with torch.no_grad():
+        torch.testing.assert_close(nf.attention(q, k, v, block_mask=bm), want, atol=2e-5, rtol=1e-4)
+        compiled = torch.compile(lambda q, k, v: nf.attention(q, k, v, block_mask=bm), fullgraph=True,
+                                 backend="aot_eager")
+        torch.testing.assert_close(compiled(q, k, v), want, atol=2e-5, rtol=1e-4)
+
+
+class Attn(torch.nn.Module):
+    """A model calling nf.attention with mods that capture tensors (a closure from a factory, a global)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(dim, dim)
+        self.slopes = torch.exp2(-torch.arange(1.0, H + 1))
+        self.score_mod = make_alibi(self.slopes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.proj(x)
+        out = nf.attention(q, x, x, score_mod=self.score_mod, mask_mod=causal)
+        return nf.attention(out, x, x, score_mod=alibi) + out
+
+
+def test_torch_compile_fullgraph_no_graph_break_and_eager_result(randn):
+    model = Attn(16)
+    x = randn(1, H, 40, 16)
+    with torch.no_grad():
+        explained = torch._dynamo.explain(model)(x)
+        assert explained.graph_break_count == 0 and explained.graph_count == 1
+        ops = [n for g in explained.graphs for n in g.graph.nodes if "neptune_fusion" in str(n.target)]
+        assert len(ops) == 2  # each attention is one node of the graph
+        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+        torch.testing.assert_close(compiled(x), model(x), atol=1e-5, rtol=1e-5)
+        before = model(x)
+        model.slopes.mul_(4.0)  # captured tensors changing between calls: in place ...
+        SLOPES.mul_(0.5)
+        try:
+            torch.testing.assert_close(compiled(x), model(x), atol=1e-5, rtol=1e-5)
+            assert not torch.allclose(model(x), before)
+            model.score_mod = make_alibi(torch.ones(H))  # ... and a new closure over a new tensor
+            torch.testing.assert_close(compiled(x), model(x), atol=1e-5, rtol=1e-5)
+        finally:
+            SLOPES.mul_(2.0)
+
+
+def test_opcheck_on_the_registered_ops(attn_inputs):
+    q, k, v = attn_inputs(1, H, 24, 24, 16)
+    handle, paths, _ = _static_handle(alibi, causal, tuple(nf.integrations.attention.Builtins()), (True, False),
+                                      False, None, 1)
+    captures = [SLOPES]
+    assert len(paths) == len(captures)
+    torch.library.opcheck(_flex_attention_op, (q, k, v, captures, handle, 0.25))
+
+    @nf.program
+    def rownorm(x):
+        e = nf.exp(x - x.max(axis=-1, keepdims=True))
+        return e / e.sum(axis=-1, keepdims=True)
+
+    fn = nf.compile(rownorm)
+    x = q[0, 0]
+    with torch.no_grad():
+        explained = torch._dynamo.explain(lambda x: fn(x) + 1)(x)
+        assert explained.graph_break_count == 0
+        compiled = torch.compile(lambda x: fn(x) + 1, fullgraph=True, backend="aot_eager")
+        torch.testing.assert_close(compiled(x), torch.softmax(x, -1) + 1, atol=1e-6, rtol=1e-5)
+    from neptune_fusion.integrations.ops import _handle, _program_op
+
+    program_handle, _ = _handle(fn, 1, (), ("tensor",))
+    torch.library.opcheck(_program_op, ([x], [], [], program_handle))
+
+
+def test_grad_error_names_the_tensor(randn):
+    x = randn(1, H, 24, 16)
+    lin = torch.nn.Linear(16, 16)
+    with pytest.raises(RuntimeError, match="query requires grad.*no_grad"):
+        nf.attention(lin(x), x, x)  # a Linear before attention: the error, not a result without grad_fn
+    slopes = torch.ones(H, requires_grad=True)
+    with pytest.raises(RuntimeError, match="closure variable 'slopes' requires grad"):
+        nf.attention(x, x, x, score_mod=make_alibi(slopes))
+    with torch.no_grad():
+        nf.attention(lin(x), x, x, score_mod=make_alibi(slopes))  # forward-only is fine
+    with pytest.raises(RuntimeError, match="no backward yet"):
+        nf.compile(nf.program(lambda a: nf.exp(a).sum(axis=-1)))(lin(x[0, 0]))
+
+
+@pytest.mark.parametrize("lq", [1, 7, 40])
+def test_attend_describes_model_masks_by_value(attn_inputs, lq):
+    q, k, v = attn_inputs(2, H, lq, 40, 16)
+    pad = torch.ones(2, 40, dtype=torch.bool)
+    pad[0, :5] = False  # left padding of the first sequence
+    i = torch.arange(lq)[:, None] + 40 - lq
+    j = torch.arange(40)[None]
+    keep = ((j <= i) & (i - j < 10))[None, None] & pad[:, None, None, :]
+    want = dense(q, k, v, 0.25, score=lambda s: 5.0 * torch.tanh(s / 5.0), keep=keep)
+    got = attend(q, k, v, causal=True, window=10, softcap=5.0, key_padding=pad)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    compiled = torch.compile(lambda q, k, v, pad: attend(q, k, v, causal=True, window=10, softcap=5.0, key_padding=pad),
+                             fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(q, k, v, pad), want, atol=2e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="window needs causal"):
+        attend(q, k, v, window=4)
+    with pytest.raises(ValueError, match="key_padding must have shape"):
+        attend(q, k, v, key_padding=pad[:, :10])
