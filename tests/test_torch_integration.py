@@ -209,3 +209,35 @@ def test_attend_describes_model_masks_by_value(attn_inputs, lq):
         attend(q, k, v, window=4)
     with pytest.raises(ValueError, match="key_padding must have shape"):
         attend(q, k, v, key_padding=pad[:, :10])
+
+
+BIAS = torch.zeros(H)
+
+
+def global_bias(score, b, h, q_idx, kv_idx):
+    return score + BIAS[h]
+
+
+def test_repeated_calls_see_rebound_closures_and_globals(attn_inputs):
+    global BIAS
+    q, k, v = attn_inputs(1, H, 24, 24, 16)
+    scale = torch.ones(H)
+
+    def scaled(score, b, h, q_idx, kv_idx):
+        return score * scale[h]
+
+    def check(mod, want_score):
+        torch.testing.assert_close(nf.attention(q, k, v, score_mod=mod), dense(q, k, v, 0.25, score=want_score),
+                                   atol=2e-5, rtol=1e-4)
+
+    saved = BIAS
+    try:
+        for value in (1.0, 3.0):  # the same function object, its closure cell rebound between calls
+            scale = torch.full((H,), value)
+            for _ in range(2):
+                check(scaled, lambda s, value=value: s * value)
+        for value in (0.0, 2.0, -1.0):  # a global rebound to a new tensor between calls
+            BIAS = torch.arange(H) * value
+            check(global_bias, lambda s, value=value: s + (torch.arange(H) * value)[:, None, None])
+    finally:
+        BIAS = saved

@@ -227,12 +227,47 @@ Path = tuple[tuple[Any, ...], ...]
 
 
 class _Walk:
-    """Tensors found while keying a mod, in order, with the path to each."""
+    """Tensors found while keying a mod, in order, with the path to each, and every mutable place
+    the key was read from (so a later call can check, by identity, that the key still holds)."""
 
     def __init__(self) -> None:
         self.tensors: list[torch.Tensor] = []
         self.paths: list[Path] = []
         self.seen: set[int] = set()
+        self.reads: list[tuple[str, Any, Any, Any]] = []  # (kind, holder, where, the value read)
+
+    def read(self, kind: str, holder: Any, where: Any, value: Any) -> Any:
+        self.reads.append((kind, holder, where, value))
+        return value
+
+
+_MISSING = object()
+
+
+def _unchanged(reads: list[tuple[str, Any, Any, Any]]) -> bool:
+    """Whether every place a key was read from still holds the same object (tensors: same shape)."""
+    for kind, holder, place, value in reads:
+        if kind == "cell":
+            try:
+                if holder.cell_contents is not value:
+                    return False
+            except ValueError:  # the cell was emptied
+                return False
+        elif kind == "item":
+            if place >= len(holder) or holder[place] is not value:
+                return False
+        elif kind == "len":
+            if len(holder) != value:
+                return False
+        elif kind == "shape":
+            if holder.shape != value:
+                return False
+        elif kind == "attr":
+            if getattr(holder, place) is not value:
+                return False
+        elif holder.get(place, _MISSING) is not value:  # "key": a dict entry (globals, keywords)
+            return False
+    return True
 
 
 def _value_key(value: Any, walk: _Walk, path: Path, depth: int) -> Any:
@@ -241,6 +276,7 @@ def _value_key(value: Any, walk: _Walk, path: Path, depth: int) -> Any:
     if isinstance(value, torch.Tensor):
         walk.tensors.append(value)
         walk.paths.append(path)
+        walk.read("shape", value, None, value.shape)
         return ("tensor", tuple(value.shape), value.dtype, str(value.device))
     if isinstance(value, (torch.dtype, torch.device)):
         return ("torch", str(value))
@@ -249,6 +285,10 @@ def _value_key(value: Any, walk: _Walk, path: Path, depth: int) -> Any:
     if isinstance(value, (types.FunctionType, types.MethodType, functools.partial)):
         return _fn_key(value, walk, path, depth + 1)
     if isinstance(value, (tuple, list)) and len(value) <= 64:
+        if isinstance(value, list):
+            walk.read("len", value, None, len(value))
+            for i, x in enumerate(value):
+                walk.read("item", value, i, x)
         return (type(value).__name__,
                 tuple(_value_key(x, walk, (*path, ("item", i)), depth) for i, x in enumerate(value)))
     if isinstance(value, type):
@@ -274,7 +314,9 @@ def _fn_key(fn: Any, walk: _Walk, path: Path = (), depth: int = 0) -> Any:
         return ("deep", id(fn))
     if isinstance(fn, functools.partial):
         args = tuple(_value_key(x, walk, (*path, ("arg", i)), depth) for i, x in enumerate(fn.args))
-        kws = tuple((n, _value_key(fn.keywords[n], walk, (*path, ("keyword", n)), depth)) for n in sorted(fn.keywords))
+        walk.read("len", fn.keywords, None, len(fn.keywords))
+        kws = tuple((n, _value_key(walk.read("key", fn.keywords, n, fn.keywords[n]), walk, (*path, ("keyword", n)), depth))
+                    for n in sorted(fn.keywords))
         return ("partial", _fn_key(fn.func, walk, (*path, ("func",)), depth + 1), args, kws)
     if isinstance(fn, types.MethodType):
         return ("method", _value_key(fn.__self__, walk, (*path, ("self",)), depth),
@@ -287,17 +329,19 @@ def _fn_key(fn: Any, walk: _Walk, path: Path = (), depth: int = 0) -> Any:
     cells = []
     for i, cell in enumerate(fn.__closure__ or ()):
         try:
-            contents = cell.cell_contents
-        except ValueError:  # an empty cell
+            contents = walk.read("cell", cell, None, cell.cell_contents)
+        except ValueError:  # an empty cell (filled later: the fast path's check then fails)
+            walk.read("cell", cell, None, _MISSING)
             cells.append(("empty",))
             continue
         cells.append(_value_key(contents, walk, (*path, ("cell", i)), depth))
     g = fn.__globals__
     globs = tuple((n, _value_key(g[n], walk, (*path, ("global", n)), depth))
-                  for n in _global_names(fn.__code__) if n in g)
-    defaults = tuple(_value_key(x, walk, (*path, ("default", i)), depth) for i, x in enumerate(fn.__defaults__ or ()))
+                  for n in _global_names(fn.__code__) if walk.read("key", g, n, g.get(n, _MISSING)) is not _MISSING)
+    defaults = tuple(_value_key(x, walk, (*path, ("default", i)), depth)
+                     for i, x in enumerate(walk.read("attr", fn, "__defaults__", fn.__defaults__) or ()))
     kwdefaults = tuple((n, _value_key(x, walk, (*path, ("kwdefault", n)), depth))
-                       for n, x in sorted((fn.__kwdefaults__ or {}).items()))
+                       for n, x in sorted((walk.read("attr", fn, "__kwdefaults__", fn.__kwdefaults__) or {}).items()))
     return ("fn", fn.__code__, tuple(cells), globs, defaults, kwdefaults)
 
 
@@ -378,6 +422,7 @@ def clear_cache() -> None:
     """Forget traced programs and compiled kernels (kernel sources stay in the on-disk cache)."""
     _programs.clear()
     _compiled.clear()
+    _fast.clear()
 
 
 def _remember(cache: OrderedDict[Any, Any], key: Any, value: Any, limit: int) -> None:
@@ -406,6 +451,7 @@ class _Call:
     args: dict[str, Any]
     struct_key: Any
     paths: tuple[Path, ...]  # per found closure tensor (the extras follow them): where it lives
+    struct: Any = None  # the key of the traced program
 
 
 def _keys(request: _Request) -> tuple[Any, _Walk]:
@@ -443,7 +489,7 @@ def _resolve(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: _Reques
                                  f"but query is on {q.device}")
             t = scalar_on_device(t, q.device)  # a scalar made on the CPU, e.g. torch.tensor(50.0)
         args[name] = t
-    return _Call(entry.program, args, (fns, request.builtins, request.outputs), tuple(walk.paths))
+    return _Call(entry.program, args, (fns, request.builtins, request.outputs), tuple(walk.paths), struct)
 
 
 def _trace_entry(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: _Request,
@@ -522,11 +568,54 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: _Request, e
         stat = torch.full(q.shape[:3], -math.inf, dtype=torch.float32, device=q.device)
         return (out, *(stat.clone() for _ in range(sum(request.outputs))))
     if found is None:  # an eager call (torch.compile checks before its op)
-        keyed = _keys(request)
+        fast_key = (id(request.score_mod), id(request.mask_mod), request[2:], q.shape, k.shape, v.shape, q.dtype,
+                    q.device, tuple((t.shape, t.dtype) for t in extras))
+        hit = _fast.get(fast_key)
+        if hit is not None and hit.mods[0] is request.score_mod and hit.mods[1] is request.mask_mod and \
+                _unchanged(hit.walk.reads):
+            keyed = (hit.fns, hit.walk)
+        else:
+            hit = None
+            keyed = _keys(request)
         _check_grad(q, k, v, request, extras, keyed[1].tensors, keyed[1].paths)
+        if hit is not None:
+            hit.compiled.program_def.pending = hit.program  # type: ignore[attr-defined]
+            result = hit.compiled.launch(*hit.arguments(q, k, v, scale, extras))
+            return result if isinstance(result, tuple) else (result,)
     call = _resolve(q, k, v, request, extras, scale, groups, keyed, found)
-    result = _compiled_for(call, request.schedule)(*call.args.values())
+    compiled = _compiled_for(call, request.schedule)
+    result = compiled.launch(*call.args.values())
+    entry = _programs.get(call.struct)
+    if found is None and isinstance(entry, _Traced):  # not for entries keyed by tensor identity too
+        _remember(_fast, fast_key, _FastCall(request.score_mod, request.mask_mod, keyed, compiled, call.program,
+                                             tuple(entry.sources)), _MAX_COMPILED)
     return result if isinstance(result, tuple) else (result,)
+
+
+class _FastCall:
+    """A repeated eager call's resolution: the mods' key (valid while `_unchanged(walk.reads)`), the
+    compiled function, and where each captured argument comes from (positions among the closure
+    tensors, then the extras)."""
+
+    def __init__(self, score_mod: Any, mask_mod: Any, keyed: tuple[Any, _Walk], compiled: Compiled,
+                 program: Program, sources: tuple[int, ...]) -> None:
+        self.mods = (score_mod, mask_mod)
+        self.fns, self.walk = keyed
+        self.compiled = compiled
+        self.program = program  # what the compiled function traces for these shapes (it serves several)
+        self.sources = sources
+
+    def arguments(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                  extras: tuple[torch.Tensor, ...]) -> list[Any]:
+        found = self.walk.tensors
+        args: list[Any] = [q, k, v, scale]
+        for pos in self.sources:
+            t = found[pos] if pos < len(found) else extras[pos - len(found)]
+            args.append(t if t.device == q.device else scalar_on_device(t, q.device))
+        return args
+
+
+_fast: OrderedDict[Any, _FastCall] = OrderedDict()
 
 
 # --------------------------------------------------------------------------- torch.compile

@@ -563,6 +563,10 @@ class Compiled:
             raise RuntimeError(f"{self.program_def.name}: nf.compile'd programs have no backward yet, but an input "
                                f"requires grad: the result would silently carry no gradient. Run the call under "
                                f"torch.no_grad() or pass detached tensors")
+        return self.launch(*args, **kwargs)
+
+    def launch(self, *args: Any, **kwargs: Any) -> Any:
+        """`run_eager` for callers that checked gradients themselves (nf.attention)."""
         if kwargs or len(args) != self._arity:
             args = tuple(v for _, v in self.program_def.bind(*args, **kwargs))
         key = tuple(map(_arg_key, args))
