@@ -24,8 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from neptune_fusion.codegen.triton_source import _BINARY as _BINARY_TRITON
+from neptune_fusion.codegen.triton_source import _FLOAT_BINARY, _NAN_COMBINE_CUDA, _TANH_CUDA, TL_DTYPES, _literal
 from neptune_fusion.codegen.triton_source import _PREAMBLE as _PREAMBLE_TRITON
-from neptune_fusion.codegen.triton_source import _TANH_CUDA, TL_DTYPES, _literal
 from neptune_fusion.codegen.triton_source import _UNARY as _UNARY_TRITON
 from neptune_fusion.tile.ir import Assign, If, Loop, Op, Stmt, Store, TileKernel, TVal
 
@@ -42,13 +42,19 @@ def _to_gluon(text: str) -> str:
 
 
 _HELPERS = _PREAMBLE_TRITON.split("\n\n\n", 1)[1]  # _floordiv and _mod
+# max / min as torch computes them, a NaN operand giving NaN: PTX max.NaN.f32, written out as
+# triton_source does it (gl.maximum drops a NaN by default, gl.max reduces with it)
+_NAN_HELPERS = _to_gluon(_NAN_COMBINE_CUDA).replace("gl.PropagateNan.ALL", "PROPAGATE_NAN_ALL")
+_NAN_HELPERS = "\n\nPROPAGATE_NAN_ALL = gl.constexpr(PropagateNan.ALL)\n" + _NAN_HELPERS
 _PREAMBLE = ("from triton.experimental import gluon\n"
              "from triton.experimental.gluon import language as gl\n"
              "from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, "
-             "warpgroup_mma_wait\n\n\n" + _to_gluon(_HELPERS + _TANH_CUDA))
+             "warpgroup_mma_wait\n"
+             "from triton.language import PropagateNan\n\n\n" + _to_gluon(_HELPERS + _TANH_CUDA) + _NAN_HELPERS)
 _UNARY = {k: _to_gluon(v) for k, v in _UNARY_TRITON.items()}
 _UNARY["sigmoid"] = "(1.0 / (1.0 + gl.exp(-({}))))"  # Gluon has no sigmoid
 _BINARY = {k: _to_gluon(v) for k, v in _BINARY_TRITON.items()}
+_REDUCE = {"sum": "gl.sum({}, axis={})", "max": "gl.reduce({}, {}, _maximum_nan)", "min": "gl.reduce({}, {}, _minimum_nan)"}
 
 
 @dataclass
@@ -287,15 +293,15 @@ class _GluonPrinter:
             name = at["op"]
             if name in ("floordiv", "mod") and not out.axes:
                 return ("{} // {}" if name == "floordiv" else "{} % {}").format(a[0].name, a[1].name)
-            return "(" + _BINARY[name].format(self.ref(a[0], out.axes), self.ref(a[1], out.axes)) + ")"
+            table = _FLOAT_BINARY if out.dtype in ("f32", "f16", "bf16") and name in _FLOAT_BINARY else _BINARY
+            return "(" + table[name].format(self.ref(a[0], out.axes), self.ref(a[1], out.axes)) + ")"
         if k == "where":
             return f"gl.where({', '.join(self.ref(x, out.axes) for x in a)})"
         if k == "cast":
             return f"gl.cast({a[0].name}, {GL_DTYPES[at['to_dtype']]})"
         if k == "reduce":
-            fn = {"sum": "gl.sum", "max": "gl.max", "min": "gl.min"}[at["op"]]
             axis = a[0].axes.index(at["axis"])
-            value = f"{fn}({a[0].name}, axis={axis})"
+            value = _REDUCE[at["op"]].format(a[0].name, axis)
             if axis == 1 and not self.same_width(a[0].axes[1], self.canon_row):
                 value = f"gl.convert_layout({value}, R_{self.canon_row})"
             return value

@@ -49,6 +49,74 @@ def _floordiv_float(a, b):
     return tl.where(b == 0, a / b, f)
 '''
 
+# max / min as torch computes them (torch.maximum, torch.amax): a NaN operand gives NaN. Triton's
+# tl.maximum drops a NaN by default (PTX max.f32) and tl.max reduces with it and has no switch.
+# On the GPU the combine is PTX max.NaN.f32 written out: one FMNMX.NAN for each FMNMX, the kernels'
+# machine code otherwise unchanged. tl.maximum(..., propagate_nan=ALL) (LLVM's maximum) gives the
+# same instruction but lets LLVM vectorise the reductions built from it, which it scalarises
+# badly: ALiBi attention measured 11% slower that way on the H200, this way as fast as before.
+_NAN_COMBINE_CUDA = '''
+
+@triton.jit
+def _maximum_nan(a, b):
+    if a.dtype == tl.float32:
+        return tl.inline_asm_elementwise("max.NaN.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _minimum_nan(a, b):
+    if a.dtype == tl.float32:
+        return tl.inline_asm_elementwise("min.NaN.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+'''
+
+# (the interpreter's tl.maximum / tl.minimum are numpy's, which propagate NaN either way)
+_NAN_COMBINE_PORTABLE = '''
+
+@triton.jit
+def _maximum_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _minimum_nan(a, b):
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+'''
+
+_REDUCE_NAN_CUDA = '''
+
+@triton.jit
+def _max_nan(x, AXIS: tl.constexpr):
+    # torch.amax: a NaN among the values gives NaN
+    return tl.reduce(x, AXIS, _maximum_nan)
+
+
+@triton.jit
+def _min_nan(x, AXIS: tl.constexpr):
+    return tl.reduce(x, AXIS, _minimum_nan)
+'''
+
+# The interpreter runs a reduction with a combine function of its own one element at a time; its
+# tl.max / tl.min are numpy's nanmax / nanmin (NaN skipped, as on the GPU): put the NaN back.
+_REDUCE_NAN_PORTABLE = '''
+
+@triton.jit
+def _max_nan(x, AXIS: tl.constexpr):
+    nan = tl.sum((x != x).to(tl.int32), AXIS) != 0
+    return tl.where(nan, float("nan"), tl.max(tl.where(x != x, float("-inf"), x), AXIS))
+
+
+@triton.jit
+def _min_nan(x, AXIS: tl.constexpr):
+    nan = tl.sum((x != x).to(tl.int32), AXIS) != 0
+    return tl.where(nan, float("nan"), tl.min(tl.where(x != x, float("inf"), x), AXIS))
+'''
+
 _TANH_CUDA = '''
 
 @triton.jit
@@ -71,10 +139,14 @@ _UNARY = {
 }
 _BINARY = {
     "add": "{} + {}", "sub": "{} - {}", "mul": "{} * {}", "div": "{} / {}",
-    "max": "tl.maximum({}, {})", "min": "tl.minimum({}, {})",
+    "max": "tl.maximum({}, {})", "min": "tl.minimum({}, {})",  # integers; floats: _FLOAT_BINARY
     "lt": "{} < {}", "le": "{} <= {}", "gt": "{} > {}", "ge": "{} >= {}", "eq": "{} == {}", "ne": "{} != {}",
     "and": "{} & {}", "or": "{} | {}", "floordiv": "_floordiv({}, {})", "mod": "_mod({}, {})",
 }
+
+# on floats, max / min propagate NaN as torch.maximum / torch.minimum do
+_FLOAT_BINARY = {"max": "_maximum_nan({}, {})", "min": "_minimum_nan({}, {})"}
+_REDUCE = {"sum": "tl.sum({}, axis={})", "max": "_max_nan({}, {})", "min": "_min_nan({}, {})"}
 
 
 def _literal(value: object) -> str:
@@ -83,6 +155,8 @@ def _literal(value: object) -> str:
     if isinstance(value, float):
         if math.isinf(value):
             return 'float("-inf")' if value < 0 else 'float("inf")'
+        if math.isnan(value):
+            return 'float("nan")'
         return repr(value)
     return repr(value)
 
@@ -124,14 +198,14 @@ class _Printer:
                 return ("{} // {}" if op_name == "floordiv" else "{} % {}").format(a[0].name, a[1].name)
             if op_name == "floordiv" and floating:  # Triton's // is for integers only
                 return f"_floordiv_float({self.ref(a[0], out.axes)}, {self.ref(a[1], out.axes)})"
-            return "(" + _BINARY[op_name].format(self.ref(a[0], out.axes), self.ref(a[1], out.axes)) + ")"
+            table = _FLOAT_BINARY if floating and op_name in _FLOAT_BINARY else _BINARY
+            return "(" + table[op_name].format(self.ref(a[0], out.axes), self.ref(a[1], out.axes)) + ")"
         if k == "where":
             return f"tl.where({', '.join(self.ref(x, out.axes) for x in a)})"
         if k == "cast":
             return f"tl.cast({a[0].name}, {TL_DTYPES[at['to_dtype']]})"
         if k == "reduce":
-            fn = {"sum": "tl.sum", "max": "tl.max", "min": "tl.min"}[at["op"]]
-            return f"{fn}({a[0].name}, axis={a[0].axes.index(at['axis'])})"
+            return _REDUCE[at["op"]].format(a[0].name, a[0].axes.index(at["axis"]))
         if k == "dot":
             kax = at["k"]
             x_axis = next(ax for ax in out.axes if ax in a[0].axes)
@@ -209,9 +283,13 @@ class _Printer:
         k = self.kernel
         params = [a.name for a in k.args] + [f"{c}: tl.constexpr" for c in k.constexprs]
         bodies = [_Printer(c, self.target).function() for c in (callees or [])]
-        uses_tanh = "_tanh(" in "\n".join(self._all_lines() + [line for b in bodies for line in b])
+        text = "\n".join(self._all_lines() + [line for b in bodies for line in b])
         out = [_PREAMBLE]
-        if uses_tanh:
+        if "_nan(" in text:
+            out.append(_NAN_COMBINE_CUDA if self.target == "cuda" else _NAN_COMBINE_PORTABLE)
+        if "_max_nan(" in text or "_min_nan(" in text:
+            out.append(_REDUCE_NAN_CUDA if self.target == "cuda" else _REDUCE_NAN_PORTABLE)
+        if "_tanh(" in text:
             out.append(_TANH_CUDA if self.target == "cuda" else _TANH_PORTABLE)
         for body in bodies:
             out.extend(body)
