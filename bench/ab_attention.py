@@ -23,6 +23,7 @@ from bench.decode import OPS as DECODE_OPS
 from bench.decode import torch_plain
 from bench.flex_ops import make_case, reference_rows
 
+DEVICE = "cuda"
 PREFILL_SEQS = (1024, 4096, 16384)
 DECODE_SEQS = (1024, 4096, 16384, 32768)
 PREFILL_FLEX = ("pf_alibi", "pf_gqa", "pf_softcap", "pf_window")
@@ -51,9 +52,9 @@ def point(op: str, seq: int, mods: dict[str, Any]) -> tuple[dict[str, Callable[[
     """(call per package, check(out) -> relative error against fp32) for one benchmark point."""
     torch.manual_seed(0)
     if op in ("pf_global", "pf_causal"):
-        q, k, v = (torch.randn(1, 32, seq, 128, device="cuda", dtype=torch.float16) for _ in range(3))
+        q, k, v = (torch.randn(1, 32, seq, 128, device=DEVICE, dtype=torch.float16) for _ in range(3))
         scale = 1 / math.sqrt(128)
-        rows = torch.randperm(seq, device="cuda")[:128].sort().values
+        rows = torch.randperm(seq, device=DEVICE)[:128].sort().values
         mask = (lambda b, h, qi, ki: qi >= ki) if op == "pf_causal" else None
         ref = reference_rows(q, k, v, None, mask, rows, scale)
         calls = {}
@@ -63,16 +64,16 @@ def point(op: str, seq: int, mods: dict[str, Any]) -> tuple[dict[str, Callable[[
             calls[name] = lambda fn=fn: fn(q, k, v, scale)
         return calls, lambda out: rel_err(out[:, :, rows], ref)
     if op in PREFILL_FLEX:
-        q, k, v, score_mod, mask_mod, gqa = make_case(op, seq)
-        rows = torch.randperm(seq, device="cuda")[:128].sort().values
+        q, k, v, score_mod, mask_mod, gqa = make_case(op, seq, DEVICE)
+        rows = torch.randperm(seq, device=DEVICE)[:128].sort().values
         ref = reference_rows(q, k, v, score_mod, mask_mod, rows, 1 / math.sqrt(128))
         calls = {name: (lambda mod=mod: mod.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, enable_gqa=gqa))
                  for name, mod in mods.items()}
         return calls, lambda out: rel_err(out[:, :, rows], ref)
     hq, hkv, kind = DECODE_OPS[op]
-    q = torch.randn(1, hq, 1, 128, device="cuda", dtype=torch.float16)
-    k, v = (torch.randn(1, hkv, seq, 128, device="cuda", dtype=torch.float16) for _ in range(2))
-    slopes = torch.exp2(-8.0 * torch.arange(1, hq + 1, device="cuda", dtype=torch.float32) / hq)
+    q = torch.randn(1, hq, 1, 128, device=DEVICE, dtype=torch.float16)
+    k, v = (torch.randn(1, hkv, seq, 128, device=DEVICE, dtype=torch.float16) for _ in range(2))
+    slopes = torch.exp2(-8.0 * torch.arange(1, hq + 1, device=DEVICE, dtype=torch.float32) / hq)
     scale = 1 / math.sqrt(128)
     ref = torch_plain(q.float(), k.float(), v.float(), slopes, scale, kind).float()
     calls = {}

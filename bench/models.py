@@ -1,6 +1,6 @@
 # ruff: noqa: B023 - every closure is timed right where it is made
-"""transformers models on our kernels (attn_implementation="neptune_fusion") beside "sdpa" and
-"flex_attention": random weights, bf16, torch.compile on; logits checked against sdpa, time per
+"""transformers models on our kernels (attn_implementation="neptune_fusion") beside "sdpa" (Gemma-2:
+"eager") and "flex_attention": random weights, bf16, torch.compile on; logits checked against sdpa, time per
 prefill forward and per generated token.
 
     python -m bench.models [--seq 4096] [--layers 8]      (GPU machine; writes $OUT/models.json)
@@ -21,7 +21,11 @@ from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig
 from bench.common import bench, environment, rel_err, warm_up_gpu, write_results
 from neptune_fusion.integrations.transformers import register
 
-IMPLEMENTATIONS = ("neptune_fusion", "sdpa", "flex_attention")
+# transformers refuses "sdpa" for Gemma-2 (softcapping): its reference there is "eager"
+IMPLEMENTATIONS = {"llama": ("neptune_fusion", "sdpa", "flex_attention"),
+                   "gemma2": ("neptune_fusion", "eager", "flex_attention")}
+DEVICE = "cuda"
+DTYPE = torch.bfloat16
 
 
 def configs(layers: int, seq: int) -> dict[str, Any]:
@@ -35,14 +39,19 @@ def configs(layers: int, seq: int) -> dict[str, Any]:
     return {"llama": llama, "gemma2": gemma}
 
 
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
 def per_token_ms(model: Any, prompt: torch.Tensor, new: int, **generate: Any) -> tuple[float, torch.Tensor]:
     """Milliseconds per generated token (greedy): (time of prompt + new) minus (time of prompt + 1),
     over new - 1 tokens. With cache_implementation="static" transformers compiles the decode step."""
     def run(n: int) -> tuple[float, torch.Tensor]:
-        torch.cuda.synchronize()
+        _sync()
         start = time.perf_counter()
         tokens = model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, **generate)
-        torch.cuda.synchronize()
+        _sync()
         return time.perf_counter() - start, tokens
 
     run(new)  # warm-up (compiles)
@@ -57,21 +66,24 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--models", nargs="+", default=["llama", "gemma2"])
+    ap.add_argument("--static", action="store_true", help="also time generate with a static cache (compiled)")
     args = ap.parse_args()
     register()
+    torch._inductor.config.compile_threads = 16  # compiling the models dominates this benchmark's time
     warm_up_gpu()
     results = []
     for name, cfg in configs(args.layers, args.seq).items():
         if name not in args.models:
             continue
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.bfloat16).cuda().eval()
-        ids = torch.randint(0, cfg.vocab_size, (1, args.seq), device="cuda")
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=DTYPE).to(DEVICE).eval()
+        ids = torch.randint(0, cfg.vocab_size, (1, args.seq), device=DEVICE)
         mask = torch.ones_like(ids)
         prompt = ids[:, : args.seq // 4]
         row: dict[str, Any] = {"model": name, "seq": args.seq, "layers": args.layers, "by_impl": {}}
         reference = None
-        for impl in IMPLEMENTATIONS:
+        reference_impl = IMPLEMENTATIONS[name][1]
+        for impl in IMPLEMENTATIONS[name]:
             entry: dict[str, Any] = {}
             try:
                 model.set_attn_implementation(impl)
@@ -79,12 +91,14 @@ def main() -> None:
                 forward = torch.compile(model.forward)
                 with torch.no_grad():
                     logits = forward(input_ids=ids, attention_mask=mask).logits.float()
-                    if impl == "sdpa":
+                    if impl == reference_impl:
                         reference = logits
                     entry["forward_ms"] = bench(lambda: forward(input_ids=ids, attention_mask=mask), rep=300) / 1e3
                     entry["per_token_ms"], tokens = per_token_ms(model, prompt, args.new_tokens)
                     entry["tokens"] = tokens[0, prompt.shape[1]:].tolist()
                     try:
+                        if not args.static:
+                            raise RuntimeError("not asked for (--static)")
                         torch._dynamo.reset()
                         entry["per_token_ms_static_compiled"], static_tokens = per_token_ms(
                             model, prompt, args.new_tokens, cache_implementation="static")
@@ -96,16 +110,17 @@ def main() -> None:
                 entry["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
             row["by_impl"][impl] = entry
             print(name, impl, {k: v for k, v in entry.items() if k not in ("logits", "tokens")}, flush=True)
-        sdpa_tokens = row["by_impl"]["sdpa"].get("tokens")
+        row["reference"] = reference_impl
+        ref_tokens = row["by_impl"][reference_impl].get("tokens")
         for entry in row["by_impl"].values():
             logits = entry.pop("logits", None)
             if logits is not None and reference is not None:
-                entry["logits_rel_err_vs_sdpa"] = rel_err(logits, reference)
-                entry["argmax_agreement_vs_sdpa"] = float((logits.argmax(-1) == reference.argmax(-1)).float().mean())
-            if sdpa_tokens and entry.get("tokens"):
-                entry["tokens_equal_sdpa"] = entry["tokens"] == sdpa_tokens
+                entry["logits_rel_err_vs_reference"] = rel_err(logits, reference)
+                entry["argmax_agreement_vs_reference"] = float((logits.argmax(-1) == reference.argmax(-1)).float().mean())
+            if ref_tokens and entry.get("tokens"):
+                entry["tokens_equal_reference"] = entry["tokens"] == ref_tokens
         ours = row["by_impl"]["neptune_fusion"]
-        for other in ("sdpa", "flex_attention"):
+        for other in IMPLEMENTATIONS[name][1:]:
             base = row["by_impl"][other]
             for metric in ("forward_ms", "per_token_ms", "per_token_ms_static_compiled"):
                 if metric in ours and metric in base:
@@ -113,7 +128,8 @@ def main() -> None:
         print(name, {k: v for k, v in row.items() if k != "by_impl"}, flush=True)
         results.append(row)
         del model
-        torch.cuda.empty_cache()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
     print("wrote", write_results("models", {"environment": environment(), "results": results}))
 
 

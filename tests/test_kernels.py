@@ -251,7 +251,7 @@ def test_positive_scale_specialisation_keeps_negative_scales_correct():
         _check(fn(q, k, v, scale=scale), _torch_attention(q, k, v, scale, mask=mask[:40]), torch.float32)
     assert len(fn._cache) == 2
     named = dict(fn.program_def.bind(q, k, v, 0.3))
-    assert "tl.max(dot" in fn.executable_for(fn.program_def.trace(**named), named).main.source
+    assert "_max_nan(dot" in fn.executable_for(fn.program_def.trace(**named), named).main.source
 
 
 def test_explain_accepts_a_traced_program():
