@@ -88,12 +88,14 @@ def main() -> None:
     ap.add_argument("--before", required=True, help="importable name of the earlier package")
     ap.add_argument("--ops", nargs="+", default=["pf_global", "pf_causal", *PREFILL_FLEX, *DECODE_OPS])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prefill-seqs", type=int, nargs="+", default=list(PREFILL_SEQS))
+    ap.add_argument("--decode-seqs", type=int, nargs="+", default=list(DECODE_SEQS))
     args = ap.parse_args()
     mods = {"before": importlib.import_module(args.before), "after": nf}
     warm_up_gpu()
     results = []
     for op in args.ops:
-        for seq in DECODE_SEQS if op.startswith("dc_") else PREFILL_SEQS:
+        for seq in args.decode_seqs if op.startswith("dc_") else args.prefill_seqs:
             calls, check = point(op, seq, mods)
             r: dict[str, Any] = {"op": op, "seq": seq}
             for name, call in calls.items():
