@@ -1,0 +1,243 @@
+"""Hugging Face transformers integration: our fused kernels as an `attn_implementation`.
+
+Select it with (once per process, before the model is built):
+
+    from neptune_fusion.integrations.transformers import register
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=register())   # "neptune_fusion"
+
+`register(name)` adds `attention_forward` to transformers' `AttentionInterface` and `mask` to its
+`AttentionMaskInterface` under `name` (transformers skips mask creation entirely for names that
+have no mask function, which would drop the padding mask). Supported: causal attention aligned
+to the end of the keys (prefill and decode over a KV cache), bidirectional attention
+(`module.is_causal` False, e.g. encoders and cross-attention), padding from the 2-D
+`attention_mask` (left or right), sliding windows (transformers' convention: query at position q
+sees key k iff 0 <= q - k < sliding_window), logit softcapping, grouped-query heads, dynamic and
+static caches, and `torch.compile(fullgraph=True)` (nothing here reads tensor values while
+compiling). Not supported, with an error naming it: dropout in training mode, custom 4-D masks,
+mask patterns other than causal / sliding / bidirectional (chunked attention, packed sequences,
+`or_mask_function` / `and_mask_function` overlays), bidirectional sliding windows, attention
+sinks (`s_aux`), position biases. The pattern is recognised from the mask function outside
+tracing only: under torch.compile the overlays are still refused, but chunked attention and
+packed sequences (position_ids restarting inside a row, no attention_mask, no cache) are not
+seen and would run as plain causal attention. `output_attentions=True` warns and returns no
+weights, as transformers' sdpa does. No backward yet (inference only).
+
+What the mask function returns (the model hands it to every layer as `attention_mask`):
+- `None` when no key is masked beyond the causal/window pattern;
+- a bool tensor (B, 1, 1, Lk), True where the key may be attended (padding), when the keys end
+  where the queries end (no cache, dynamic caches), so `attend`'s end-aligned causal mask is right;
+- an int8 tensor (B, 1, 1, Lk) for causal masks whose keys may not end at the last query (static
+  caches: unwritten slots follow the last query, and the query offset is a tensor there):
+  1 attend, 0 padding, -1 a slot after the last query. The attention function then rotates those
+  trailing slots to the front (an index_select of K/V, only when Lq > 1 or a window applies), so
+  the written keys end at the last query again.
+It is 4-D so that transformers passes it through unchanged when it meets it a second time (generate
+builds masks ahead of the forward for static caches, and the model's `create_causal_mask` returns a
+4-D mask as is).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+from transformers import masking_utils as mu
+from transformers.masking_utils import AttentionMaskInterface
+from transformers.utils import logging
+from transformers.utils.import_utils import is_tracing
+
+from neptune_fusion.integrations.attention import attend
+
+__all__ = ["DEFAULT_NAME", "attention_forward", "mask", "register"]
+
+DEFAULT_NAME = "neptune_fusion"
+
+_logger = logging.get_logger(__name__)
+_ATTEND = 1  # int8 mask states
+_PADDING = 0
+_UNWRITTEN = -1
+
+
+# --------------------------------------------------------------------------- mask interface
+
+
+def _qualname(fn: Any) -> str:
+    return getattr(fn, "__qualname__", type(fn).__name__)
+
+
+def _pattern(mask_function: Any) -> str | None:
+    """'causal', 'sliding', 'bidirectional', 'bidirectional_sliding' for the mask functions
+    transformers' masking_utils builds for plain models, None for anything else."""
+    if mask_function is mu.causal_mask_function:
+        return "causal"
+    if mask_function is mu.bidirectional_mask_function:
+        return "bidirectional"
+    if _qualname(mask_function) == "and_masks.<locals>.and_mask":
+        try:
+            parts = inspect.getclosurevars(mask_function).nonlocals.get("mask_functions", ())
+        except (TypeError, ValueError):
+            return None
+        names = sorted(_qualname(p) for p in parts)
+        if names == sorted(["causal_mask_function", "sliding_window_overlay.<locals>.inner_mask"]):
+            return "sliding"
+        if names == sorted(["bidirectional_mask_function", "sliding_window_bidirectional_overlay.<locals>.inner_mask"]):
+            return "bidirectional_sliding"
+    return None
+
+
+def mask(batch_size: int, q_length: int | None = None, kv_length: int | None = None,
+         q_offset: int | torch.Tensor = 0, kv_offset: int = 0, mask_function: Any = None,
+         attention_mask: torch.Tensor | None = None, use_vmap: bool = False,
+         device: torch.device | str = "cpu", **kwargs: Any) -> torch.Tensor | None:
+    """The `AttentionMaskInterface` function: what `attention_forward` needs, and no more.
+
+    Called by transformers' `create_causal_mask` & co. with the batch size, the query length and
+    offset (position of the first query), the key length and offset (position of the first key in
+    this layer's K/V: nonzero for sliding-window caches), the pattern as `mask_function` and the
+    2-D padding mask (bool, True = token). Returns None, or a 4-D key mask (module docstring).
+
+    Example:
+        >>> pad = torch.tensor([[False, True, True, True]])             # one left-padded row
+        >>> mask(batch_size=1, q_length=4, kv_length=4, attention_mask=pad).flatten().tolist()
+        [False, True, True, True]
+        >>> pad = torch.tensor([[False, True, True, True, True]])       # static cache of 6, 5th token
+        >>> mask(batch_size=1, q_length=1, kv_length=6, q_offset=torch.tensor(4),
+        ...      attention_mask=pad).flatten().tolist()
+        [0, 1, 1, 1, 1, -1]
+    """
+    if q_length is None:  # the older signature: positions of the queries as cache_position
+        cache_position = kwargs["cache_position"]
+        q_length, q_offset = cache_position.shape[0], cache_position[0]
+    if kv_length is None:
+        kv_length = q_length
+    if use_vmap:  # create_*_mask sets it exactly when an or_mask_function / and_mask_function is given
+        raise NotImplementedError(
+            "neptune_fusion attention supports causal, sliding-window and bidirectional masks with padding; this "
+            "model overlays its own mask function (or_mask_function / and_mask_function, e.g. for image tokens). "
+            "Use attn_implementation='sdpa' or 'eager' for it.")
+    bidirectional = "allow_is_bidirectional_skip" in kwargs
+    if mask_function is not None and not is_tracing(attention_mask):
+        pattern = _pattern(mask_function)
+        if pattern is None:
+            raise NotImplementedError(
+                f"neptune_fusion attention supports causal, sliding-window and bidirectional masks with padding; "
+                f"this model builds the mask pattern {_qualname(mask_function)!r} (chunked attention, packed "
+                f"sequences or block overlays). Use attn_implementation='sdpa' or 'eager' for it.")
+        bidirectional = pattern.startswith("bidirectional")
+    elif mask_function is not None:
+        bidirectional = bidirectional or mask_function is mu.bidirectional_mask_function
+
+    padding = None
+    if attention_mask is not None:
+        if attention_mask.ndim != 2:
+            raise ValueError(f"expected a 2-D padding mask (batch, length), got shape {tuple(attention_mask.shape)}")
+        padding = attention_mask.to(device=device, dtype=torch.bool)
+        if (missing := kv_offset + kv_length - padding.shape[-1]) > 0:  # static caches: slots not yet written
+            padding = torch.nn.functional.pad(padding, (0, missing))
+        padding = padding[:, kv_offset:kv_offset + kv_length]
+        if padding.shape[0] != batch_size:
+            padding = padding.expand(batch_size, kv_length)
+        if not is_tracing(padding) and bool(padding.all()):
+            padding = None
+
+    end_aligned = isinstance(q_offset, int) and kv_offset + kv_length == q_offset + q_length
+    if bidirectional or end_aligned:
+        return None if padding is None else padding[:, None, None, :].contiguous()
+    # Causal over keys that may not end at the last query: mark the slots after it.
+    written = torch.arange(kv_length, device=device) + kv_offset <= q_offset + (q_length - 1)
+    state = torch.where(written, _ATTEND, _UNWRITTEN).to(torch.int8).expand(batch_size, kv_length)
+    if padding is not None:
+        state = torch.where(written & ~padding, torch.tensor(_PADDING, dtype=torch.int8, device=device), state)
+    return state[:, None, None, :].contiguous()
+
+
+# --------------------------------------------------------------------------- attention interface
+
+
+def _key_padding(attention_mask: Any, batch: int, kv_len: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(key padding (B, Lk) bool or None, the int8 static-cache mask or None) of the mask a layer gets."""
+    if attention_mask is None:
+        return None, None
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"neptune_fusion attention got an attention_mask of type {type(attention_mask).__name__}; "
+                        "it needs the mask its own mask function builds (register() installs it)")
+    ours = attention_mask.ndim == 4 and attention_mask.shape[1] == 1 and attention_mask.shape[2] == 1
+    if not ours or attention_mask.dtype not in (torch.bool, torch.int8):
+        raise ValueError(
+            f"neptune_fusion attention got a {attention_mask.dtype} mask of shape {tuple(attention_mask.shape)}; it "
+            "supports masks that transformers builds from a 2-D attention_mask (padding), not custom 4-D masks. "
+            "Pass a 2-D attention_mask, or use attn_implementation='sdpa' or 'eager'.")
+    if attention_mask.shape[-1] != kv_len:
+        raise ValueError(f"the attention mask covers {attention_mask.shape[-1]} keys, the layer has {kv_len}")
+    state = attention_mask[:, 0, 0, :]
+    if attention_mask.dtype == torch.int8:
+        padding = state > _PADDING
+    else:
+        padding, state = state, None
+    if padding.shape[0] != batch:
+        padding = padding.expand(batch, kv_len)
+    return padding.contiguous(), state
+
+
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                      sliding_window: int | None = None, softcap: float | None = None,
+                      **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """The `AttentionInterface` function: one fused kernel per call, through `attend`.
+
+    query (B, Hq, Lq, D), key / value (B, Hkv, Lk, D) as the model produces them (Hq a multiple of
+    Hkv), `attention_mask` from `mask`; returns (output (B, Lq, Hq, D) in the model's dtype, None).
+    Causal unless `is_causal=False` is passed or `module.is_causal` is False. Queries sit at the end
+    of the keys (query i at key Lk - Lq + i). `sliding_window=W` keeps key k for query q iff
+    q - k < W, `softcap=c` maps the scaled score s to c * tanh(s / c).
+    """
+    if dropout and module.training:
+        raise ValueError("neptune_fusion attention has no dropout: call model.eval(), or set the config's "
+                         "attention_dropout to 0")
+    for name in ("s_aux", "sinks", "position_bias"):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"neptune_fusion attention does not support {name} (this model needs "
+                                      "attn_implementation='eager' or 'sdpa')")
+    if kwargs.get("output_attentions") and not is_tracing():
+        _logger.warning_once(
+            "neptune_fusion attention does not return attention weights (output_attentions=True): use "
+            "attn_implementation='eager' to get them")
+    is_causal = kwargs.get("is_causal")
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    is_causal = bool(is_causal)
+
+    batch, hq, lq = query.shape[:3]
+    hkv, lk = key.shape[1], key.shape[2]
+    window = sliding_window
+    if window is not None and window >= lk:  # every key lies inside the window
+        window = None
+    if window is not None and not is_causal:
+        raise NotImplementedError("neptune_fusion attention supports sliding windows on causal attention only")
+    padding, state = _key_padding(attention_mask, batch, lk)
+    if state is not None and is_causal and (lq > 1 or window is not None):
+        # Static cache: the written keys are followed by unwritten slots (state -1, the same in every
+        # row). Rotate those slots to the front so the written keys end at the last query.
+        unwritten = (state[0] < 0).sum()
+        order = torch.remainder(torch.arange(lk, device=key.device) - unwritten, lk)
+        key, value = key.index_select(2, order), value.index_select(2, order)
+        padding = padding.index_select(1, order.to(padding.device))
+    out = attend(query, key, value, scale=scaling, enable_gqa=hq != hkv, causal=is_causal, window=window,
+                 softcap=softcap, key_padding=padding)
+    return out.transpose(1, 2).contiguous(), None
+
+
+# --------------------------------------------------------------------------- registration
+
+
+def register(name: str = DEFAULT_NAME) -> str:
+    """Register our attention and mask functions with transformers under `name`; returns `name`.
+
+    Pass the name as `attn_implementation=` (from_pretrained, from_config) or set it later with
+    `model.set_attn_implementation(name)`. Registering again is harmless.
+    """
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, mask)
+    return name

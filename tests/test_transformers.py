@@ -1,0 +1,335 @@
+"""The transformers integration: tiny random models give the logits and the tokens of transformers'
+own attention (sdpa, or eager where sdpa has no softcapping), with padding, sliding windows,
+softcapping, grouped-query heads, dynamic and static KV caches and torch.compile(fullgraph=True).
+
+Each model pair shares one state dict; the query / key projections are scaled up so attention is
+sharp and a wrong mask, window or softcap changes the logits by far more than the tolerance
+(checked in test_the_checks_are_sensitive)."""
+
+from __future__ import annotations
+
+import copy
+import doctest
+import inspect
+import logging
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, BertConfig, BertModel, Gemma2Config, LlamaConfig, LlamaModel, StaticCache
+from transformers import masking_utils as mu
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+import neptune_fusion.integrations.transformers as nft
+
+NAME = nft.register()
+PROMPT = 24
+NEW = 16
+ATOL = 2e-4  # fp32 logits of magnitude ~1
+# The cache argument of the models' forward: `past_key_values` in 5.17, `cache` (old name deprecated) by 5.24.
+CACHE = "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
+
+
+def _llama_config(**over: object) -> LlamaConfig:
+    kw: dict[str, object] = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+    kw.update(over)
+    return LlamaConfig(**kw)
+
+
+def _gemma2_config(**over: object) -> Gemma2Config:
+    kw: dict[str, object] = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                                 sliding_window=8, attn_logit_softcapping=5.0, final_logit_softcapping=30.0,
+                                 query_pre_attn_scalar=16, layer_types=["sliding_attention", "full_attention"])
+    kw.update(over)
+    return Gemma2Config(**kw)
+
+
+def _model(cfg: object, impl: str, state: dict[str, torch.Tensor] | None = None) -> torch.nn.Module:
+    """A model of `cfg` (copied: from_config keeps the config object it is given and sets its
+    attn_implementation, so two models built from one config would share the last one)."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=impl).eval()
+    if state is None:
+        with torch.no_grad():
+            for layer in model.model.layers:  # sharp attention: scores up to ~50 before softcapping
+                layer.self_attn.q_proj.weight.mul_(8.0)
+                layer.self_attn.k_proj.weight.mul_(8.0)
+    else:
+        model.load_state_dict(state)
+    return model
+
+
+def _pair(cfg: object, ref_impl: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    ref = _model(cfg, ref_impl)
+    return ref, _model(cfg, NAME, ref.state_dict())
+
+
+@pytest.fixture(scope="module")
+def llama() -> tuple[torch.nn.Module, torch.nn.Module]:
+    ref, ours = _pair(_llama_config(), "sdpa")
+    assert ref.config._attn_implementation == "sdpa" and ours.config._attn_implementation == NAME
+    return ref, ours
+
+
+@pytest.fixture(scope="module")
+def gemma2() -> tuple[torch.nn.Module, torch.nn.Module]:
+    return _pair(_gemma2_config(), "eager")  # transformers' sdpa refuses softcap (Gemma2 has _supports_sdpa False)
+
+
+def _inputs(padded: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ids = torch.randint(0, 128, (2, PROMPT), generator=torch.Generator().manual_seed(1))
+    if not padded:
+        return ids, None
+    mask = torch.ones(2, PROMPT, dtype=torch.long)
+    mask[1, :5] = 0  # left padding, as for generation
+    return ids, mask
+
+
+def _check_logits(ref: torch.nn.Module, ours: torch.nn.Module, padded: bool) -> None:
+    ids, mask = _inputs(padded)
+    with torch.no_grad():
+        expected = ref(ids, attention_mask=mask).logits
+        got = ours(ids, attention_mask=mask).logits
+    real = torch.ones(ids.shape, dtype=torch.bool) if mask is None else mask.bool()
+    # Padding query rows see no key: ours give 0 there, eager a uniform average; neither is used.
+    torch.testing.assert_close(got[real], expected[real], atol=ATOL, rtol=0)
+
+
+def _check_generate(ref: torch.nn.Module, ours: torch.nn.Module, **kwargs: object) -> None:
+    ids, mask = _inputs(True)
+    args = dict(attention_mask=mask, max_new_tokens=NEW, do_sample=False, output_logits=True,
+                return_dict_in_generate=True, **kwargs)
+    with torch.no_grad():
+        expected = ref.generate(ids, **args)
+        got = ours.generate(ids, **args)
+    assert torch.unique(expected.sequences[:, PROMPT:]).numel() > 4  # not a degenerate repetition
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(expected.logits), atol=ATOL, rtol=0)
+    assert torch.equal(got.sequences, expected.sequences)
+
+
+# --------------------------------------------------------------------------- models
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["no_mask", "left_padding"])
+def test_llama_gqa_logits_match_sdpa(llama: tuple[torch.nn.Module, torch.nn.Module], padded: bool) -> None:
+    _check_logits(*llama, padded)
+
+
+def test_llama_fp16_logits_match_sdpa() -> None:
+    """The model's dtype end to end: fp16 activations in, fp16 attention output."""
+    ref, ours = (m.half() for m in _pair(_llama_config(num_hidden_layers=1), "sdpa"))
+    ids, mask = _inputs(True)
+    with torch.no_grad():
+        expected, got = (m(ids, attention_mask=mask).logits for m in (ref, ours))
+    assert got.dtype == torch.float16
+    real = mask.bool()
+    torch.testing.assert_close(got[real].float(), expected[real].float(), atol=2e-2, rtol=0)
+
+
+def test_llama_generate_matches_sdpa(llama: tuple[torch.nn.Module, torch.nn.Module]) -> None:
+    _check_generate(*llama)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["no_mask", "left_padding"])
+def test_gemma2_window_softcap_logits_match_eager(gemma2: tuple[torch.nn.Module, torch.nn.Module],
+                                                  padded: bool) -> None:
+    _check_logits(*gemma2, padded)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_gemma2_generate_matches_eager(gemma2: tuple[torch.nn.Module, torch.nn.Module], cache: str) -> None:
+    """Prompt 24 and 16 new tokens over a window of 8: the sliding layers' caches are full. The static
+    cache prefills 24 queries over 40 slots (the unwritten ones are rotated to the front)."""
+    _check_generate(*gemma2, **({"cache_implementation": "static"} if cache == "static" else {}))
+
+
+def test_gemma2_static_cache_prefill_matches_eager(gemma2: tuple[torch.nn.Module, torch.nn.Module]) -> None:
+    """All prompt positions of a prefill into static caches of 40 slots (the full layer's keys end
+    16 slots after the last query; generate's logits only see the last one)."""
+    ref, ours = gemma2
+    ids, mask = _inputs(True)
+    caches = [StaticCache(config=m.config, max_cache_len=PROMPT + NEW) for m in (ref, ours)]
+    with torch.no_grad():
+        expected, got = (m(ids, attention_mask=mask, **{CACHE: c}).logits for m, c in zip((ref, ours), caches))
+    assert all(c.get_seq_length() == PROMPT for c in caches)
+    torch.testing.assert_close(got[mask.bool()], expected[mask.bool()], atol=ATOL, rtol=0)
+
+
+def test_the_checks_are_sensitive(gemma2: tuple[torch.nn.Module, torch.nn.Module]) -> None:
+    """Dropping the window, the softcap or the padding moves the logits far beyond ATOL."""
+    ref, _ = gemma2
+    ids, mask = _inputs(True)
+    real = mask.bool()
+    with torch.no_grad():
+        base = ref(ids, attention_mask=mask).logits[real]
+        for over in ({"sliding_window": 1000}, {"attn_logit_softcapping": None}):
+            other = _model(_gemma2_config(**over), "eager", ref.state_dict())
+            assert (other(ids, attention_mask=mask).logits[real] - base).abs().max() > 100 * ATOL
+        assert (ref(ids).logits[real] - base).abs().max() > 100 * ATOL
+
+
+def test_bert_bidirectional_padding_matches_sdpa() -> None:
+    """An encoder (module.is_causal False, masks from create_bidirectional_mask), right padding."""
+    cfg = BertConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, max_position_embeddings=64)
+    torch.manual_seed(0)
+    ref = BertModel._from_config(copy.deepcopy(cfg), attn_implementation="sdpa", add_pooling_layer=False).eval()
+    ours = BertModel._from_config(copy.deepcopy(cfg), attn_implementation=NAME, add_pooling_layer=False).eval()
+    ours.load_state_dict(ref.state_dict())
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, 11:] = 0
+    with torch.no_grad():
+        for m in (None, mask):
+            torch.testing.assert_close(ours(ids, attention_mask=m).last_hidden_state,
+                                       ref(ids, attention_mask=m).last_hidden_state, atol=ATOL, rtol=0)
+
+
+def test_compile_fullgraph() -> None:
+    """torch.compile(fullgraph=True) of a padded forward and of a static-cache decode step (the
+    graph breaks nowhere: mask and attention read no tensor values while tracing)."""
+    cfg = _llama_config()
+    ref, ours = _pair(cfg, "sdpa")
+    ids, mask = _inputs(True)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        compiled = torch.compile(ours, fullgraph=True, backend="aot_eager")
+        torch.testing.assert_close(compiled(input_ids=ids, attention_mask=mask).logits,
+                                   ref(ids, attention_mask=mask).logits, atol=ATOL, rtol=0)
+        caches = [StaticCache(config=cfg, max_cache_len=PROMPT + 4) for _ in range(2)]
+        expected = ref(ids, attention_mask=mask, **{CACHE: caches[0]}).logits
+        got = ours(ids, attention_mask=mask, **{CACHE: caches[1]}).logits
+        assert caches[1].get_seq_length() == PROMPT
+        torch.testing.assert_close(got[mask.bool()], expected[mask.bool()], atol=ATOL, rtol=0)
+        step = torch.compile(ours.forward, fullgraph=True, backend="aot_eager")
+        token = expected[:, -1:].argmax(-1)
+        for _ in range(2):
+            mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
+            position = mask.sum(-1, keepdim=True) - 1
+            expected = ref(token, attention_mask=mask, position_ids=position, **{CACHE: caches[0]}).logits
+            got = step(input_ids=token, attention_mask=mask, position_ids=position, **{CACHE: caches[1]}).logits
+            torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+            token = expected[:, -1:].argmax(-1)
+
+
+# --------------------------------------------------------------------------- the functions themselves
+
+
+class _Module(torch.nn.Module):
+    def __init__(self, is_causal: bool = True, groups: int = 1) -> None:
+        super().__init__()
+        self.is_causal = is_causal
+        self.num_key_value_groups = groups
+        self.train(False)
+
+
+def _qkv(b: int, hq: int, hkv: int, lq: int, lk: int, d: int = 16) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(3)
+    return tuple(torch.randn(b, h, n, d, generator=g) * 2 for h, n in ((hq, lq), (hkv, lk), (hkv, lk)))
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+               softcap: float | None = None) -> torch.Tensor:
+    """Plain attention with a (B, 1, Lq, Lk) bool mask, output (B, Lq, H, D); empty rows give 0."""
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
+    v = v.repeat_interleave(q.shape[1] // v.shape[1], 1)
+    s = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    p = torch.softmax(s.masked_fill(~visible, -torch.inf), -1).nan_to_num(0.0)
+    return (p @ v).transpose(1, 2)
+
+
+def test_static_cache_chunk_with_window() -> None:
+    """A chunk of 3 queries at positions 5-7 over a static cache of 12 slots (8-11 unwritten),
+    window 4, softcap, GQA, left padding: the mask marks the slots, the keys are rotated."""
+    q, k, v = _qkv(2, 4, 2, 3, 12)
+    pad = torch.ones(2, 8, dtype=torch.bool)
+    pad[1, :2] = False
+    m = mask_of(batch_size=2, q_length=3, kv_length=12, q_offset=torch.tensor(5), attention_mask=pad,
+                mask_function=mu.sliding_window_causal_mask_function(4), local_size=4)
+    assert m.dtype == torch.int8 and m.shape == (2, 1, 1, 12)
+    assert m[1, 0, 0].tolist() == [0, 0, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1]
+    out, weights = nft.attention_forward(_Module(groups=2), q, k, v, m, sliding_window=4, softcap=3.0)
+    qpos, kpos = torch.arange(5, 8)[:, None], torch.arange(12)[None]
+    visible = (kpos <= qpos) & (qpos - kpos < 4) & torch.nn.functional.pad(pad, (0, 4))[:, None, None, :]
+    torch.testing.assert_close(out, _reference(q, k, v, visible, softcap=3.0), atol=1e-5, rtol=0)
+    assert weights is None
+
+
+def mask_of(**kwargs: object) -> torch.Tensor | None:
+    """Our mask function, called the way transformers' create_causal_mask calls it."""
+    kwargs.setdefault("mask_function", mu.causal_mask_function)
+    kwargs.setdefault("allow_is_causal_skip", True)
+    return nft.mask(**kwargs)
+
+
+def test_mask_function() -> None:
+    pad = torch.tensor([[True] * 10, [False, False] + [True] * 8])
+    # no cache: None without padding, else the padding as (B, 1, 1, Lk) bool
+    assert mask_of(batch_size=2, q_length=10, kv_length=10, attention_mask=torch.ones(2, 10, dtype=torch.bool)) is None
+    m = mask_of(batch_size=2, q_length=10, kv_length=10, attention_mask=pad)
+    assert m.dtype == torch.bool and torch.equal(m[:, 0, 0], pad)
+    # a full dynamic sliding cache (window 4): keys 7..10 of an 11-token mask; the decode query is at 10
+    pad11 = torch.cat([pad, torch.ones(2, 1, dtype=torch.bool)], 1)
+    pad11[0, 8] = False
+    m = mask_of(batch_size=2, q_length=1, kv_length=4, q_offset=10, kv_offset=7, attention_mask=pad11,
+                mask_function=mu.sliding_window_causal_mask_function(4), local_size=4)
+    assert m.dtype == torch.bool and torch.equal(m[:, 0, 0], pad11[:, 7:])
+    # bidirectional: never marks slots, whatever the offsets
+    m = mask_of(batch_size=2, q_length=3, kv_length=10, mask_function=mu.bidirectional_mask_function,
+                attention_mask=pad, allow_is_bidirectional_skip=True)
+    assert m.dtype == torch.bool and torch.equal(m[:, 0, 0], pad)
+    assert doctest.testmod(nft).failed == 0
+
+
+def test_unsupported_patterns_are_refused() -> None:
+    with pytest.raises(NotImplementedError, match="or_mask_function"):
+        mask_of(batch_size=1, q_length=4, kv_length=4, use_vmap=True)
+    chunked = mu.chunked_causal_mask_function(2, torch.zeros(1, dtype=torch.long))
+    with pytest.raises(NotImplementedError, match="chunked"):
+        mask_of(batch_size=1, q_length=4, kv_length=4, mask_function=chunked)
+    packed = mu.packed_sequence_mask_function(torch.tensor([[0, 0, 1, 1]]))
+    with pytest.raises(NotImplementedError, match="packed"):
+        mask_of(batch_size=1, q_length=4, kv_length=4, mask_function=mu.and_masks(mu.causal_mask_function, packed))
+    q, k, v = _qkv(1, 2, 2, 4, 4)
+    with pytest.raises(ValueError, match="custom 4-D"):
+        nft.attention_forward(_Module(), q, k, v, torch.zeros(1, 1, 4, 4))
+    with pytest.raises(NotImplementedError, match="causal attention only"):
+        nft.attention_forward(_Module(is_causal=False), q, k, v, None, sliding_window=2)
+    with pytest.raises(NotImplementedError, match="s_aux"):
+        nft.attention_forward(_Module(), q, k, v, None, s_aux=torch.zeros(2))
+    module = _Module().train()
+    with pytest.raises(ValueError, match="dropout"):
+        nft.attention_forward(module, q, k, v, None, dropout=0.1)
+
+
+def test_attention_semantics() -> None:
+    """Causal decode over a dynamic cache (the query at the end of the keys), and bidirectional
+    attention with padding; dropout is ignored outside training, as eager attention does."""
+    q, k, v = _qkv(2, 4, 2, 1, 9)
+    out, _ = nft.attention_forward(_Module(groups=2), q, k, v, None)
+    torch.testing.assert_close(out, _reference(q, k, v, torch.ones(1, 1, 1, 9, dtype=torch.bool)), atol=1e-5, rtol=0)
+    q, k, v = _qkv(2, 4, 4, 5, 7)
+    pad = torch.ones(2, 7, dtype=torch.bool)
+    pad[0, 5:] = False
+    mask = pad[:, None, None, :]
+    sdpa, _ = sdpa_attention_forward(_Module(is_causal=False), q, k, v, mask)
+    out, weights = nft.attention_forward(_Module(is_causal=False), q, k, v, mask, dropout=0.5)
+    torch.testing.assert_close(out, sdpa, atol=1e-5, rtol=0)
+    assert weights is None
+
+
+def test_output_attentions_and_gradients(llama: tuple[torch.nn.Module, torch.nn.Module],
+                                         caplog: pytest.LogCaptureFixture) -> None:
+    """output_attentions=True warns (once) and gives no weights, as transformers' sdpa does; a
+    forward that records gradients is refused (no backward yet) instead of silently cutting them."""
+    _, ours = llama
+    ids, mask = _inputs(True)
+    with torch.no_grad(), caplog.at_level(logging.WARNING):
+        out = ours(ids, attention_mask=mask, output_attentions=True)
+    assert "attention weights" in caplog.text
+    assert out.attentions is not None and all(a is None for a in out.attentions)
+    with pytest.raises(RuntimeError, match="no backward"):
+        ours(ids, attention_mask=mask)
