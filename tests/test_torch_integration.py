@@ -154,7 +154,7 @@ def test_torch_compile_fullgraph_no_graph_break_and_eager_result(randn):
 def test_opcheck_on_the_registered_ops(attn_inputs):
     q, k, v = attn_inputs(1, H, 24, 24, 16)
     handle, paths, _ = _static_handle(alibi, causal, tuple(nf.integrations.attention.Builtins()), (True, False),
-                                      False, None, 1)
+                                      False, None)
     captures = [SLOPES]
     assert len(paths) == len(captures)
     torch.library.opcheck(_flex_attention_op, (q, k, v, captures, handle, 0.25))
@@ -241,3 +241,33 @@ def test_repeated_calls_see_rebound_closures_and_globals(attn_inputs):
             check(global_bias, lambda s, value=value: s + (torch.arange(H) * value)[:, None, None])
     finally:
         BIAS = saved
+
+
+def lengths_mask_mod(lengths: torch.Tensor):
+    def by_length(b, h, q_idx, kv_idx):
+        return kv_idx < lengths[b]
+
+    return by_length
+
+
+def test_private_state_keeps_no_device_memory_between_calls(attn_inputs):
+    """What torch.compile's CUDA graphs need of the op: scratch and block maps per call, none cached."""
+    from neptune_fusion.runtime import blockmap
+    from neptune_fusion.runtime.state import private_state
+
+    q, k, v = attn_inputs(2, H, 1, 200, 16)
+    mask_mod = lengths_mask_mod(torch.tensor([200, 77]))
+    keep = torch.arange(200)[None, :] < torch.tensor([200, 77])[:, None]
+    want = dense(q, k, v, 0.25, keep=keep[:, None, None, :])
+    nf.integrations.attention.clear_cache()
+    with private_state():
+        for _ in range(3):
+            builds = blockmap.builds
+            got = nf.attention(q, k, v, mask_mod=mask_mod, schedule=nf.split_k(splits=4))
+            torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+        assert blockmap.builds == builds + 1  # built for the call, never fetched
+    compiled = next(iter(nf.integrations.attention._compiled.values()))
+    assert not compiled._scratch  # split-K partials and counters were the calls' own
+    torch.testing.assert_close(nf.attention(q, k, v, mask_mod=mask_mod, schedule=nf.split_k(splits=4)), want,
+                               atol=2e-5, rtol=1e-4)
+    assert compiled._scratch  # outside private_state they are kept for the next call

@@ -57,6 +57,7 @@ from neptune_fusion.lang.tensor import SymTensor, broadcast, cast, lift
 from neptune_fusion.lang.torch_function import CaptureTable
 from neptune_fusion.lang.trace import ArgSpec, ProgramDef, trace
 from neptune_fusion.runtime.compiled import Compiled
+from neptune_fusion.runtime.state import CALL_STATE, private_state
 from neptune_fusion.schedule.templates import Auto, Flash, Schedule, SplitK
 
 __all__ = ["AuxOutput", "Builtins", "attend", "attention", "attention_inputs", "attention_program", "clear_cache",
@@ -391,6 +392,8 @@ def scalar_on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`t` (a 0-d tensor) on `device`: one copy per version of `t`, so repeated calls do not copy
     again and in-place updates (`cap.fill_(20.0)`) are seen. The weak reference tells a new tensor
     that reuses a freed one's id from the one copied."""
+    if CALL_STATE.private:
+        return t.to(device)
     key = (id(t), str(device))
     hit = _scalar_copies.get(key)
     if hit is not None and hit[0]() is t and hit[1] == t._version:
@@ -561,58 +564,55 @@ def _check_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: _Req
 
 def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: _Request, extras: tuple[torch.Tensor, ...],
          scale: float, groups: int, found: list[torch.Tensor] | None = None,
-         keyed: tuple[Any, _Walk] | None = None) -> tuple[torch.Tensor, ...]:
-    """Run the fused kernel: (out, *requested statistics)."""
+         keyed: tuple[Any, _Walk] | None = None, fast_key: Any = None) -> tuple[torch.Tensor, ...]:
+    """Run the fused kernel: (out, *requested statistics). `found` (the closure tensors, then the
+    extras) and `keyed` come from torch.compile's op; an eager call walks the mods here. The
+    resolution is kept under `fast_key` for the next call with the same key (`_call`)."""
     if 0 in q.shape[:3] or k.shape[2] == 0:  # nothing to compute, or every row fully masked
         out = q.new_zeros((*q.shape[:3], v.shape[3]))
         stat = torch.full(q.shape[:3], -math.inf, dtype=torch.float32, device=q.device)
         return (out, *(stat.clone() for _ in range(sum(request.outputs))))
     if found is None:  # an eager call (torch.compile checks before its op)
-        fast_key = (id(request.score_mod), id(request.mask_mod), request[2:], q.shape, k.shape, v.shape, q.dtype,
-                    q.device, tuple((t.shape, t.dtype) for t in extras))
-        hit = _fast.get(fast_key)
-        if hit is not None and hit.mods[0] is request.score_mod and hit.mods[1] is request.mask_mod and \
-                _unchanged(hit.walk.reads):
-            keyed = (hit.fns, hit.walk)
-        else:
-            hit = None
-            keyed = _keys(request)
+        keyed = _keys(request)
         _check_grad(q, k, v, request, extras, keyed[1].tensors, keyed[1].paths)
-        if hit is not None:
-            hit.compiled.program_def.pending = hit.program  # type: ignore[attr-defined]
-            result = hit.compiled.launch(*hit.arguments(q, k, v, scale, extras))
-            return result if isinstance(result, tuple) else (result,)
     call = _resolve(q, k, v, request, extras, scale, groups, keyed, found)
     compiled = _compiled_for(call, request.schedule)
     result = compiled.launch(*call.args.values())
     entry = _programs.get(call.struct)
-    if found is None and isinstance(entry, _Traced):  # not for entries keyed by tensor identity too
-        _remember(_fast, fast_key, _FastCall(request.score_mod, request.mask_mod, keyed, compiled, call.program,
-                                             tuple(entry.sources)), _MAX_COMPILED)
+    if fast_key is not None and isinstance(entry, _Traced):  # not for entries keyed by tensor identity too
+        assert keyed is not None
+        _remember(_fast, fast_key, _FastCall(request, keyed, compiled, call.program, scale, tuple(entry.sources),
+                                             checks=found is None), _MAX_COMPILED)
     return result if isinstance(result, tuple) else (result,)
 
 
 class _FastCall:
-    """A repeated eager call's resolution: the mods' key (valid while `_unchanged(walk.reads)`), the
-    compiled function, and where each captured argument comes from (positions among the closure
-    tensors, then the extras)."""
+    """A repeated call's resolution: the mods' key, the compiled function, and where each captured
+    argument comes from (positions among the closure tensors, then the extras). An eager call's
+    key holds while `_unchanged(walk.reads)`; torch.compile's op passes its tensors explicitly."""
 
-    def __init__(self, score_mod: Any, mask_mod: Any, keyed: tuple[Any, _Walk], compiled: Compiled,
-                 program: Program, sources: tuple[int, ...]) -> None:
-        self.mods = (score_mod, mask_mod)
+    def __init__(self, request: _Request, keyed: tuple[Any, _Walk], compiled: Compiled, program: Program,
+                 scale: float, sources: tuple[int, ...], checks: bool) -> None:
+        self.request = request
         self.fns, self.walk = keyed
         self.compiled = compiled
         self.program = program  # what the compiled function traces for these shapes (it serves several)
+        self.scale = scale
         self.sources = sources
+        self.checks = checks
 
-    def arguments(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                  extras: tuple[torch.Tensor, ...]) -> list[Any]:
-        found = self.walk.tensors
-        args: list[Any] = [q, k, v, scale]
+    def valid(self, request: _Request) -> bool:
+        return (self.request.score_mod is request.score_mod and self.request.mask_mod is request.mask_mod
+                and (not self.checks or _unchanged(self.walk.reads)))
+
+    def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, found: list[torch.Tensor]) -> tuple[Any, ...]:
+        args: list[Any] = [q, k, v, self.scale]
         for pos in self.sources:
-            t = found[pos] if pos < len(found) else extras[pos - len(found)]
+            t = found[pos]
             args.append(t if t.device == q.device else scalar_on_device(t, q.device))
-        return args
+        self.compiled.program_def.pending = self.program  # type: ignore[attr-defined]
+        result = self.compiled.launch(*args)
+        return result if isinstance(result, tuple) else (result,)
 
 
 _fast: OrderedDict[Any, _FastCall] = OrderedDict()
@@ -624,7 +624,6 @@ _fast: OrderedDict[Any, _FastCall] = OrderedDict()
 @dataclass(frozen=True)
 class _Handle:
     request: _Request
-    groups: int
     keyed: tuple[Any, _Walk]  # the mods' key, and the tensors they held when first seen
     paths: tuple[Path, ...]
 
@@ -635,7 +634,7 @@ _handle_of: dict[Any, int] = {}
 
 @torch._dynamo.assume_constant_result
 def _static_handle(score_mod: Any, mask_mod: Any, builtins: tuple[Any, ...], outputs: tuple[bool, ...],
-                   enable_gqa: bool, schedule: Any, groups: int) -> tuple[int, tuple[Path, ...], tuple[str, ...]]:
+                   enable_gqa: bool, schedule: Any) -> tuple[int, tuple[Path, ...], tuple[str, ...]]:
     """A handle for what the op needs apart from tensors, the paths from the mods to the tensors
     they capture (torch.compile follows them, so each call passes the current ones) and their
     names for error messages. Runs once per compilation: torch.compile keeps the result (the
@@ -643,10 +642,10 @@ def _static_handle(score_mod: Any, mask_mod: Any, builtins: tuple[Any, ...], out
     request = _Request(score_mod, mask_mod, Builtins(*builtins), Outputs(*outputs), enable_gqa, schedule)
     keyed = _keys(request)
     fns, walk = keyed
-    key = (fns, request, groups)
+    key = (fns, request)
     if key not in _handle_of:
         _handle_of[key] = len(_handles)
-        _handles.append(_Handle(request, groups, keyed, tuple(walk.paths)))
+        _handles.append(_Handle(request, keyed, tuple(walk.paths)))
     mods = (request.score_mod, request.mask_mod)
     names = tuple(_describe(("score_mod", "mask_mod")[p[0][1]], mods[p[0][1]], p[1:]) for p in walk.paths)
     return _handle_of[key], tuple(walk.paths), names
@@ -657,7 +656,15 @@ def _flex_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
                        handle: int, scale: float) -> list[torch.Tensor]:
     """One fused attention kernel as a torch op: what torch.compile puts in its graph."""
     h = _handles[handle]
-    return list(_run(query, key, value, h.request, _extras_of(h, captures), scale, h.groups, captures, h.keyed))
+    groups = query.shape[1] // key.shape[1]
+    fast_key = (handle, query.shape, key.shape, value.shape, query.dtype, scale,
+                tuple((t.shape, t.dtype) for t in captures))
+    hit = _fast.get(fast_key)
+    with private_state():  # inside torch.compile's CUDA graphs no device memory may outlive the call
+        if hit is not None:
+            return list(hit.launch(query, key, value, captures))
+        return list(_run(query, key, value, h.request, _extras_of(h, captures), scale, groups, captures, h.keyed,
+                         fast_key))
 
 
 def _extras_of(h: _Handle, captures: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -673,10 +680,10 @@ def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, captures: lis
 
 
 def _run_compiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: _Request,
-                  extras: tuple[torch.Tensor, ...], scale: float, groups: int) -> tuple[torch.Tensor, ...]:
+                  extras: tuple[torch.Tensor, ...], scale: float) -> tuple[torch.Tensor, ...]:
     """The call as torch.compile traces it: the captured tensors become inputs of one op."""
     handle, paths, names = _static_handle(request.score_mod, request.mask_mod, tuple(request.builtins),
-                                          tuple(request.outputs), request.enable_gqa, request.schedule, groups)
+                                          tuple(request.outputs), request.enable_gqa, request.schedule)
     mods = (request.score_mod, request.mask_mod)
     captured = [_follow(mods, p) for p in paths]
     _check_grad(q, k, v, request, extras, captured, paths, names)
@@ -784,10 +791,24 @@ def _block_builtins(block_mask: Any, mask_mod: Any, q: torch.Tensor, k: torch.Te
 
 def _call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: _Request, extras: tuple[torch.Tensor, ...],
           scale: float | None) -> tuple[torch.Tensor, ...]:
-    groups, scale = _check_inputs(q, k, v, request.score_mod, scale, request.enable_gqa)
     if torch.compiler.is_compiling():
-        return _run_compiled(q, k, v, request, extras, scale, groups)
-    return _run(q, k, v, request, extras, scale, groups)
+        for t in (q, k, v):  # heads and head dim fixed, as FlexAttention marks them: kernels specialise on them
+            torch._dynamo.mark_static(t, -3)
+            torch._dynamo.mark_static(t, -1)
+        _, scale = _check_inputs(q, k, v, request.score_mod, scale, request.enable_gqa)
+        return _run_compiled(q, k, v, request, extras, scale)
+    # a call like an earlier one (same mods, flags, tensor shapes, dtypes, devices and scale) skips
+    # the checks and the resolution that call passed; only what its mods read is checked again
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+        _check_inputs(q, k, v, request.score_mod, scale, request.enable_gqa)  # raises the TypeError
+    fast_key = (id(request.score_mod), id(request.mask_mod), request[2:], q.shape, k.shape, v.shape, q.dtype,
+                k.dtype, v.dtype, q.device, k.device, v.device, scale, tuple((t.shape, t.dtype, t.device) for t in extras))
+    hit = _fast.get(fast_key)
+    if hit is not None and hit.valid(request):
+        _check_grad(q, k, v, request, extras, hit.walk.tensors, hit.walk.paths)
+        return hit.launch(q, k, v, [*hit.walk.tensors, *extras])
+    groups, checked = _check_inputs(q, k, v, request.score_mod, scale, request.enable_gqa)
+    return _run(q, k, v, request, extras, checked, groups, fast_key=fast_key)
 
 
 def _request(q: torch.Tensor, k: torch.Tensor, score_mod: Any, block_mask: Any, mask_mod: Any, enable_gqa: bool,

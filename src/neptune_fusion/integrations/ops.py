@@ -24,6 +24,7 @@ import torch
 
 from neptune_fusion.runtime import compiled as _compiled
 from neptune_fusion.runtime.compiled import Compiled, output_specs
+from neptune_fusion.runtime.state import private_state
 
 __all__ = ["call_in_graph"]
 
@@ -56,7 +57,8 @@ def _named(handle: int, tensors: list[torch.Tensor], floats: list[float], ints: 
 def _program_op(tensors: list[torch.Tensor], floats: list[float], ints: list[int], handle: int) -> list[torch.Tensor]:
     """One call of an `nf.compile`d function as a torch op (its kernels, run as an eager call runs them)."""
     fn, named = _named(handle, tensors, floats, ints)
-    result = fn.run_eager(**named)
+    with private_state():  # inside torch.compile's CUDA graphs no device memory may outlive the call
+        result = fn.run_eager(**named)
     return list(result) if isinstance(result, tuple) else [result]
 
 

@@ -25,6 +25,7 @@ from neptune_fusion.analysis.masks import MaskInfo
 from neptune_fusion.ir.expr import Binary, Expr, Unary, free_axes, loads_of, walk
 from neptune_fusion.ir.program import Program
 from neptune_fusion.runtime.reference import _Evaluator
+from neptune_fusion.runtime.state import CALL_STATE
 from neptune_fusion.tile.lower import BLOCK_MAP_PREFIX, AxisRoles
 
 # key -> (weak references to the tensors the map was built from, the map)
@@ -93,7 +94,7 @@ def block_map(program: Program, masks: MaskInfo, roles: AxisRoles, sizes: dict[s
     key = (static_key, tuple(_tensor_key(t) for t in tensors), tuple((type(args[p]), args[p]) for p in params))
     # inside a CUDA graph capture the map is built, never fetched: a replay runs no host code, so only
     # a map whose build is part of the graph follows new values written into the mask's tensors
-    capturing = _capturing()
+    capturing = _capturing() or CALL_STATE.private  # (private_state: nothing may outlive the call)
     hit = None if capturing else _CACHE.get(key)
     if hit is not None and all(ref() is t for ref, t in zip(hit[0], tensors)):
         _CACHE.move_to_end(key)

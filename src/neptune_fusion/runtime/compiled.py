@@ -35,6 +35,7 @@ from neptune_fusion.lang.tensor import input_dtype_name
 from neptune_fusion.lang.trace import ProgramDef
 from neptune_fusion.runtime.blockmap import block_map, block_map_axes
 from neptune_fusion.runtime.reference import axis_extents, run_reference
+from neptune_fusion.runtime.state import CALL_STATE
 from neptune_fusion.schedule.auto import Plan, choose
 from neptune_fusion.schedule.pipeline import SPLIT_AXIS, Step, combine_program, fuse
 from neptune_fusion.schedule.templates import Auto, Autotune, Flash, Schedule, SplitK
@@ -237,6 +238,8 @@ def _install_allocator() -> None:
     def alloc(size: int, alignment: int, stream: Any) -> torch.Tensor:
         # descriptors live only while their kernel runs, and kernels of one stream run in order:
         # one buffer per stream and size is enough (allocating per launch costs microseconds)
+        if CALL_STATE.private:
+            return torch.empty(size, dtype=torch.int8, device="cpu" if interpreter_mode() else "cuda")
         key = (stream, size)
         if key not in cache:
             cache[key] = torch.empty(size, dtype=torch.int8, device="cpu" if interpreter_mode() else "cuda")
@@ -607,11 +610,15 @@ class Compiled:
         # an output whose value is cast to a float dtype (`x.to(torch.float32)`) is stored in it
         out_dtypes = {name: _declared_dtype(fused.stage(name).body, out_dtype) for name in out_shapes}
         views = [(spec.stage, [sizes[d] if d else 1 for d in (spec.view or spec.dims)]) for spec in fused.outputs]
-        scratch: dict[str, torch.Tensor] = {}
+        # split-K partial states and arrival counters: (shape, dtype) here, the tensors per call or kept
+        scratch: dict[str, tuple[list[int], torch.dtype]] = {}
         if exe.plan.splits > 1:
             loop = next(n for n in fused.stages if isinstance(n, FusedLoop))
             counters = math.ceil(sizes[roles.row] / exe.plan.block_row) * math.prod(sizes[a] for a in roles.batch)
-            scratch = self._scratch_for(loop, sizes, exe.plan.splits, device, counters)
+            scratch = {f"part_{m.name}": ([exe.plan.splits, *(sizes[a] for a in m.axes)], torch.float32)
+                       for m in loop.members}
+            scratch[COUNTER] = ([counters], torch.int32)
+        scratch_key = (tuple(sorted(sizes.items())), exe.plan.splits, str(device), fused.fingerprint())
         position = {name: i for i, name in enumerate(order)}
         csizes = dict(sizes)
         csizes[SPLIT_AXIS] = exe.plan.splits
@@ -628,6 +635,8 @@ class Compiled:
         def run(values: list[Any]) -> Any:
             outputs = {name: torch.empty(shape, dtype=out_dtypes[name], device=device)
                        for name, shape in out_shapes.items()}
+            if scratch:  # per call where no state may outlive it (private_state), else kept
+                outputs.update(self._scratch_for(scratch_key, scratch, device, CALL_STATE.private))
             if masks is not None:
                 outputs.update(block_map(fused, masks, roles, sizes, dict(zip(order, values)), exe.plan.block_row,
                                          exe.plan.block_col, map_key))
@@ -644,7 +653,7 @@ class Compiled:
         return run
 
     def _arg_plan(self, launch: KernelLaunch, sizes: dict[str, int], position: dict[str, int],
-                  scratch: dict[str, torch.Tensor], example: dict[str, Any], out_shapes: dict[str, list[int]],
+                  scratch: dict[str, tuple[list[int], torch.dtype]], example: dict[str, Any], out_shapes: dict[str, list[int]],
                   extras: dict[str, torch.Tensor]) -> tuple[Any, ...]:
         """How to build each kernel argument from the call's values (resolved once per shape)."""
         tile = launch.tile
@@ -652,11 +661,11 @@ class Compiled:
         dynamic: list[bool] = []
         for arg in tile.args:
             kind, _, rest = arg.source.partition(":")
-            dynamic.append(kind in ("input", "param", "output") and rest not in scratch)
+            dynamic.append(kind in ("input", "param", "output", "scratch") or (kind == "input" and rest in scratch))
             if kind in ("input", "param") and rest in position:
                 getters.append(lambda v, o, i=position[rest]: v[i])
             elif kind in ("input", "scratch") and rest in scratch:
-                getters.append(lambda v, o, t=scratch[rest]: t)
+                getters.append(lambda v, o, n=rest: o[n])
             elif kind == "input" and rest in extras:
                 getters.append(lambda v, o, n=rest: o[n])
             elif kind == "output":
@@ -669,7 +678,7 @@ class Compiled:
                 if buf in position:
                     stride = example[buf].stride(int(dim))
                 elif buf in scratch:
-                    stride = scratch[buf].stride(int(dim))
+                    stride = math.prod(scratch[buf][0][int(dim) + 1:])  # allocated contiguous
                 elif buf in extras:
                     stride = extras[buf].stride(int(dim))
                 else:
@@ -685,17 +694,17 @@ class Compiled:
         return (launch.fn, grid, getters, dict(tile.constexprs), tile.num_warps, tile.num_stages, dynamic,
                 tile.grid_dependency == "dependent")
 
-    def _scratch_for(self, loop: FusedLoop, sizes: dict[str, int], splits: int,
-                     device: torch.device, counters: int) -> dict[str, torch.Tensor]:
+    def _scratch_for(self, key: Any, specs: dict[str, tuple[list[int], torch.dtype]], device: torch.device,
+                     private: bool) -> dict[str, torch.Tensor]:
         """Partial-state buffers and per-row-tile arrival counters (zero between calls: the last
-        arrival resets its counter), allocated once per shape and reused across calls."""
-        key = (loop.name, tuple(sorted(sizes.items())), splits, str(device), counters)
-        if key not in self._scratch:
-            self._scratch[key] = {
-                f"part_{m.name}": torch.empty([splits, *(sizes[a] for a in m.axes)], dtype=torch.float32, device=device)
-                for m in loop.members
-            }
-            self._scratch[key][COUNTER] = torch.zeros(counters, dtype=torch.int32, device=device)
+        arrival resets its counter): allocated once per shape and reused across calls, or, with
+        `private`, allocated for this call alone."""
+        if private or key not in self._scratch:
+            made = {n: (torch.zeros if n == COUNTER else torch.empty)(shape, dtype=dtype, device=device)
+                    for n, (shape, dtype) in specs.items()}
+            if private:
+                return made
+            self._scratch[key] = made
         return self._scratch[key]
 
 
