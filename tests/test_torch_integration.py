@@ -271,3 +271,16 @@ def test_private_state_keeps_no_device_memory_between_calls(attn_inputs):
     torch.testing.assert_close(nf.attention(q, k, v, mask_mod=mask_mod, schedule=nf.split_k(splits=4)), want,
                                atol=2e-5, rtol=1e-4)
     assert compiled._scratch  # outside private_state they are kept for the next call
+
+
+def test_torch_compile_with_dynamic_shapes(randn):
+    """A decode loop's key length grows every step: dynamic=True traces once for all lengths."""
+    compiled = torch.compile(lambda q, k, v: nf.attention(q, k, v, score_mod=alibi, enable_gqa=True), dynamic=True,
+                             fullgraph=True, backend="aot_eager")
+    compiled_attend = torch.compile(lambda q, k, v: attend(q, k, v, causal=True, enable_gqa=True), dynamic=True,
+                                    fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        for length in (40, 41, 57):
+            q, k, v = randn(1, H, 1, 16), randn(1, 2, length, 16), randn(1, 2, length, 16)
+            torch.testing.assert_close(compiled(q, k, v), nf.attention(q, k, v, score_mod=alibi, enable_gqa=True))
+            torch.testing.assert_close(compiled_attend(q, k, v), attend(q, k, v, causal=True, enable_gqa=True))
