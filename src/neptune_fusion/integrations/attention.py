@@ -1,13 +1,15 @@
 """FlexAttention-compatible attention: the same `score_mod` / `mask_mod` functions, fused and compiled.
 
-`attention(q, k, v, score_mod=..., mask_mod=...)` traces the plain attention program
+`attention(q, k, v, score_mod=..., block_mask=...)` (FlexAttention's signature) traces the plain
+attention program
 
     s = q @ k^T * scale                      (default scale 1 / sqrt(head_dim))
     s = score_mod(s, b, h, q_idx, kv_idx)
-    s = where(mask_mod(b, h, q_idx, kv_idx), s, -inf)
+    s = where(keep(b, h, q_idx, kv_idx), s, -inf)      (keep: the mask_mod, or a BlockMask's lists
+                                                        and mask_mod: integrations/blockmask.py)
     m = max_kv s;  p = exp(s - m);  l = sum_kv p;  u = p @ v
-    out = where(l > 0, u / l, 0)             (a fully masked row gives 0, never NaN)
-    lse = where(l > 0, m + log(l), -inf)     (with return_lse; natural log)
+    out = where(m == -inf, 0, u / l)         (a row with no visible key gives 0; NaN stays NaN)
+    lse = where(m == -inf, -inf, m + log(l)) (on request; natural log, float32; max scores: m)
 
 where `b, h, q_idx, kv_idx` are symbolic integer index tensors, and hands it to the compiler, which
 derives the online softmax (FlashAttention) itself. `score_mod` and `mask_mod` are written exactly
@@ -15,8 +17,10 @@ as for `torch.nn.attention.flex_attention`: torch operations on their arguments 
 captured tensors (`slopes[h]`, `doc_id[q_idx] == doc_id[kv_idx]`, `bias[h, q_idx]`). Captured
 tensors become extra kernel inputs, passed on every call (so in-place updates are seen); their
 indices are not bounds-checked (as in FlexAttention, out-of-range indices are the caller's bug).
-Differences from FlexAttention: the mask is given as `mask_mod` (a `BlockMask` is accepted for its
-`mask_mod`), and there is no autograd. The lse is computed and stored in float32.
+There is no backward yet: inputs that require grad (in grad mode) raise. `attend` takes the masks
+models ask for by value (causal, window, softcap, key padding), with nothing to trace per call.
+Inside torch.compile a call is one registered op (`neptune_fusion::flex_attention`) whose inputs
+include the tensors the mods capture (reached by the paths `_fn_key` records).
 
 Caching: traced programs are cached per (score_mod, mask_mod, shapes, dtypes, flags) and compiled
 kernels per (score_mod, mask_mod, schedule, flags). A function is identified by its code and the
@@ -31,7 +35,8 @@ Example:
     ...     return q_idx >= kv_idx
     >>> def softcap(score, b, h, q_idx, kv_idx):
     ...     return 30.0 * torch.tanh(score / 30.0)
-    >>> # out = nf.attention(q, k, v, score_mod=softcap, mask_mod=causal)
+    >>> q = k = v = torch.randn(1, 2, 16, 16)
+    >>> out = nf.attention(q, k, v, score_mod=softcap, mask_mod=causal)   # doctest: +SKIP
 """
 
 from __future__ import annotations
