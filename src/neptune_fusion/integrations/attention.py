@@ -181,11 +181,13 @@ def _body(score_mod: ScoreMod | None, mask_mod: MaskMod | None, builtins: Builti
             full = rest.pop(0) if has_full else None
             keep = visible(partial, full, q_block, kv_block, keep, b, h, q_idx, kv_idx)
             keep = _mask_of(keep, tracer)
-        offset = k.shape[2] - q.shape[2]
-        if builtins.causal_end:
-            keep = _and(keep, _mask_of(q_idx + offset >= kv_idx, tracer))
-            if builtins.window is not None:
-                keep = _and(keep, _mask_of(q_idx + offset - kv_idx < builtins.window, tracer))
+        # the query's key position; with one query it is the last key, and the causal condition holds
+        # for every key: leaving the query axis out of decode's mask lets GQA groups share K/V reads
+        position = q_idx + (k.shape[2] - q.shape[2]) if q.shape[2] > 1 else k.shape[2] - 1
+        if builtins.causal_end and q.shape[2] > 1:
+            keep = _and(keep, _mask_of(position >= kv_idx, tracer))
+        if builtins.causal_end and builtins.window is not None:
+            keep = _and(keep, _mask_of(position - kv_idx < builtins.window, tracer))
         if builtins.padding:
             keep = _and(keep, _mask_of(rest.pop(0)[b, kv_idx], tracer))
         if keep is not None:
