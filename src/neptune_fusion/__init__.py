@@ -33,6 +33,7 @@ from neptune_fusion.lang.ops import (
     rsqrt,
     sigmoid,
     sin,
+    size,
     sqrt,
     sum,
     tanh,
@@ -50,6 +51,6 @@ __all__ = [
     "Auto", "Autotune", "Compiled", "Flash", "FusionError", "ProgramDef", "SplitK", "UnsupportedProgramError",
     "abs_", "auto", "autotune", "cast", "compile", "cos", "einsum", "exp", "exp2", "explain", "flash", "index",
     "inf", "log", "log2", "matmul", "max", "maximum", "min", "minimum", "program", "rsqrt",
-    "run_reference", "sigmoid", "sin", "split_k", "sqrt", "sum", "tanh", "where",
+    "run_reference", "sigmoid", "sin", "size", "split_k", "sqrt", "sum", "tanh", "where",
 ]
 __all__ += ["attention", "attention_inputs", "attention_program", "explain_attention", "repeat_interleave"]

@@ -253,6 +253,7 @@ def terms_vanish_while_identity(member: Stage, producer: Stage, producers: tuple
                                  REDUCER_IDENTITY[member.reduce_op], producers)
 
 
+@functools.lru_cache(maxsize=1024)  # a SymPy limit; the split-K combine asks again for every split count
 def repair_finite_from_identity(h: Expr, producer: str, identity: float) -> bool:
     """True when h stays finite as the old running value of `producer` is its reducer's identity.
 

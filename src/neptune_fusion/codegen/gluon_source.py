@@ -93,7 +93,8 @@ def _walk(stmts: list[Stmt]):
 
 
 def _analyse(kernel: TileKernel) -> _Shape:
-    if kernel.grid_dependency != "none" or "SPLITS" in kernel.constexprs:
+    # a split-K kernel takes its split count as the size of the split axis (tile/lower.py `_splits`)
+    if kernel.grid_dependency != "none" or any(a.source == "size:split" for a in kernel.args):
         raise _Unsupported("split-K kernels are memory-bound: the Triton backend serves them")
     if kernel.constexprs.get("BLOCK_R") != ROW_BLOCK:
         raise _Unsupported(f"the row tile must be {ROW_BLOCK} rows (two consumer warpgroups of 64)")
@@ -468,7 +469,8 @@ class _GluonPrinter:
 
     def entry(self) -> list[str]:
         k = self.kernel
-        out = ["", "", "@gluon.jit", f"def {k.name}(", *[f"    {p}," for p in self.signature()], "):"]
+        jit = "@gluon.jit" + (f"(do_not_specialize={k.do_not_specialize!r})" if k.do_not_specialize else "")
+        out = ["", "", jit, f"def {k.name}(", *[f"    {p}," for p in self.signature()], "):"]
         out.extend(f"    # {n}" for n in k.notes)
         out.append("    # warp-specialised: a producer warp fills a ring of shared-memory tiles, two consumer")
         out.append("    # warpgroups (64 rows each) run the tile program and hand the slots back")

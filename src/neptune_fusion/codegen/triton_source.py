@@ -293,7 +293,7 @@ class _Printer:
             out.append(_TANH_CUDA if self.target == "cuda" else _TANH_PORTABLE)
         for body in bodies:
             out.extend(body)
-        out.append("\n\n@triton.jit")
+        out.append("\n\n@triton.jit" + (f"(do_not_specialize={k.do_not_specialize!r})" if k.do_not_specialize else ""))
         out.append(f"def {k.name}(")
         out.extend(f"    {p}," for p in params)
         out.append("):")

@@ -57,7 +57,7 @@ import torch
 from neptune_fusion.integrations.blockmask import block_tables, visible
 from neptune_fusion.ir.expr import Const, simplify
 from neptune_fusion.ir.program import Program
-from neptune_fusion.lang.ops import einsum, exp, index, log, repeat_interleave, tanh, where
+from neptune_fusion.lang.ops import einsum, exp, index, log, repeat_interleave, size, tanh, where
 from neptune_fusion.lang.tensor import SymTensor, broadcast, cast, lift
 from neptune_fusion.lang.torch_function import CaptureTable
 from neptune_fusion.lang.trace import ArgSpec, ProgramDef, trace
@@ -182,8 +182,9 @@ def _body(score_mod: ScoreMod | None, mask_mod: MaskMod | None, builtins: Builti
             keep = visible(partial, full, q_block, kv_block, keep, b, h, q_idx, kv_idx)
             keep = _mask_of(keep, tracer)
         # the query's key position; with one query it is the last key, and the causal condition holds
-        # for every key: leaving the query axis out of decode's mask lets GQA groups share K/V reads
-        position = q_idx + (k.shape[2] - q.shape[2]) if q.shape[2] > 1 else k.shape[2] - 1
+        # for every key: leaving the query axis out of decode's mask lets GQA groups share K/V reads.
+        # The lengths stay symbolic (kernel arguments): every KV-cache length is one program and kernel
+        position = q_idx + (size(k, 2) - size(q, 2)) if q.shape[2] > 1 else size(k, 2) - 1
         if builtins.causal_end and q.shape[2] > 1:
             keep = _and(keep, _mask_of(position >= kv_idx, tracer))
         if builtins.causal_end and builtins.window is not None:

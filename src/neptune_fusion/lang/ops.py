@@ -25,6 +25,7 @@ from neptune_fusion.lang.tensor import (
     inf,
     matmul,
     reduce,
+    size,
     unary,
     where,
 )
@@ -32,7 +33,7 @@ from neptune_fusion.lang.tensor import (
 __all__ = [
     "exp", "exp2", "log", "log2", "tanh", "sigmoid", "sqrt", "rsqrt", "abs_", "sin", "cos",
     "maximum", "minimum", "where", "einsum", "matmul", "sum", "max", "min", "index", "cast", "inf",
-    "repeat_interleave",
+    "repeat_interleave", "size",
 ]
 
 

@@ -29,6 +29,7 @@ from neptune_fusion.ir.expr import (
     Index,
     Load,
     Reduce,
+    Size,
     Unary,
     Where,
 )
@@ -519,6 +520,23 @@ def index(x: SymTensor, axis: int) -> SymTensor:
     if dim is None:
         return SymTensor(dims, Const(0), x.tracer, "int")
     return SymTensor(dims, Index(dim.var), x.tracer, "int")
+
+
+def size(x: SymTensor, axis: int) -> SymTensor:
+    """The length of `axis` of `x` as a symbolic integer scalar, known when the kernel runs.
+
+    `x.shape[axis]` is a Python int fixed at trace time: a program that computes with it is traced
+    (and fused, planned and compiled) anew for every length. `size` keeps the length a run-time
+    value, so programs that differ only in that length are one program (one kernel).
+
+    Example: queries aligned to the end of the keys (decode over a KV cache):
+        >>> # offset = nf.size(k, -2) - nf.size(q, -2); keep = nf.index(s, -2) + offset >= nf.index(s, -1)
+    """
+    axis = _norm_axis(axis, x.ndim)
+    dim = x.dims[axis]
+    if dim is None:  # a broadcast size-1 dim
+        return SymTensor((), Const(1), x.tracer, "int")
+    return SymTensor((), Size(dim.var), x.tracer, "int")
 
 
 inf = math.inf

@@ -22,7 +22,9 @@ from neptune_fusion.ir.expr import (
     Load,
     Param,
     Reduce,
+    Size,
     transform_bottom_up,
+    walk,
 )
 from neptune_fusion.ir.program import InputBuffer, OutputSpec, Program, Stage
 from neptune_fusion.lang.tensor import Dim, SymTensor, _load, input_dtype_name
@@ -113,6 +115,8 @@ def _rename_axes(expr: Expr, names: dict[str, str]) -> Expr:
     def rule(node: Expr) -> Expr | None:
         if isinstance(node, Index) and node.axis in names:
             return Index(names[node.axis])
+        if isinstance(node, Size) and node.axis in names:
+            return Size(names[node.axis])
         if isinstance(node, Reduce) and node.axis in names:
             return Reduce(node.op, names[node.axis], node.body)
         return None
@@ -215,7 +219,7 @@ def _finalize(
             kept.append(st)
             needed |= st.reads()
     for st in kept:
-        for a in st.axes:
+        for a in (*st.axes, *(n.axis for n in walk(st.body) if isinstance(n, Size))):
             if a not in axis_sizes:
                 raise ValueError(f"stage {st.name!r}: axis {a!r} is not a dimension of any input, so its size is "
                                  "unknown (a repeat_interleave dimension must meet an input dimension of that size)")
@@ -249,7 +253,8 @@ class ProgramDef:
         return self.trace_specs(specs)
 
     def trace_specs(self, specs: tuple[ArgSpec, ...]) -> Program:
-        # keyed by exact shapes: a trace can depend on sizes (programs read x.shape)
+        # keyed by exact shapes: a trace can depend on sizes (programs read x.shape); the Program
+        # itself holds none (nf.size keeps a length symbolic), so later caches are keyed by its fingerprint
         if specs not in self._cache:
             self._cache[specs] = trace(self.fn, specs, self.name)
         return self._cache[specs]

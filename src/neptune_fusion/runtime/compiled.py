@@ -37,7 +37,7 @@ from neptune_fusion.runtime.blockmap import block_map, block_map_axes
 from neptune_fusion.runtime.reference import axis_extents, run_reference
 from neptune_fusion.runtime.state import CALL_STATE
 from neptune_fusion.schedule.auto import Plan, choose
-from neptune_fusion.schedule.pipeline import SPLIT_AXIS, Step, combine_program, fuse
+from neptune_fusion.schedule.pipeline import SPLIT_AXIS, Step, combine_program, fuse, with_split_k
 from neptune_fusion.schedule.templates import Auto, Autotune, Flash, Schedule, SplitK
 from neptune_fusion.tile.ir import TileKernel
 from neptune_fusion.tile.lower import (
@@ -169,23 +169,61 @@ _FUSED: dict[tuple[str, int], tuple[Step, ...]] = {}
 
 
 def _fuse_cached(program: Program, splits: int) -> tuple[Step, ...]:
-    """The fusion passes' results, cached by program fingerprint (SymPy proofs are not free)."""
+    """The fusion passes' results, cached by program fingerprint (SymPy proofs are not free).
+
+    A fingerprint holds no sizes (axes are named; their extents are read from the arguments when
+    the program runs, and a length the program computes with is a `Size` term), so the lengths of
+    a decode loop share one entry. A split count only appends the split-K step to the rolling
+    program: the passes and their proofs run once for all split counts."""
     key = (program.fingerprint(), splits)
     if key not in _FUSED:
-        _FUSED[key] = tuple(fuse(program, splits))
+        _FUSED[key] = tuple(with_split_k(_fuse_cached(program, 1), splits) if splits > 1 else fuse(program))
     return _FUSED[key]
 
 
+_MASKS: dict[tuple[str, str], MaskInfo] = {}
+
+
+def _masks_of(fused: Program, row: str) -> MaskInfo:
+    """The mask analysis of a fused program's loop, cached by its fingerprint (like `_fuse_cached`)."""
+    key = (fused.fingerprint(), row)
+    if key not in _MASKS:
+        int_params = {p for p, k in fused.param_kinds.items() if k == "int"}
+        _MASKS[key] = analyze_masks(fused_loop_of(fused), row, int_params, contribution_vanishes)
+    return _MASKS[key]
+
+
+_ROLES: dict[str, Any] = {}
+
+
+def _roles_of(fused: Program) -> Any:
+    """`assign_roles(fused)`, cached by the program's fingerprint."""
+    key = fused.fingerprint()
+    if key not in _ROLES:
+        _ROLES[key] = assign_roles(fused)
+    return _ROLES[key]
+
+
+_LAYOUTS: dict[tuple[str, int], tuple[Program, tuple[str, str, int] | None]] = {}
+
+
 def _choose_layout(fused: Program, sizes: dict[str, int]) -> tuple[Program, tuple[str, str, int] | None]:
-    """Pack the query heads of a KV group into one program when rows are few (decode)."""
-    roles = assign_roles(fused)
-    int_params = {p for p, k in fused.param_kinds.items() if k == "int"}
-    masks = analyze_masks(fused_loop_of(fused), roles.row, int_params, contribution_vanishes)
+    """Pack the query heads of a KV group into one program when rows are few (decode); cached by
+    the program and its number of rows, all the choice depends on."""
+    roles = _roles_of(fused)
+    key = (fused.fingerprint(), sizes[roles.row])
+    if key not in _LAYOUTS:
+        _LAYOUTS[key] = _layout_for(fused, roles, sizes[roles.row])
+    return _LAYOUTS[key]
+
+
+def _layout_for(fused: Program, roles: Any, rows: int) -> tuple[Program, tuple[str, str, int] | None]:
+    masks = _masks_of(fused, roles.row)
     if any(roles.row in free_axes(m.node.cond) for m in masks.masks):
         return fused, None  # packing would turn a mask affine in the rows into one needing a block map
     for axis in roles.batch:
         group = group_divisor(fused, axis, roles.col)
-        if group is not None and sizes[roles.row] * group <= 64:
+        if group is not None and rows * group <= 64:
             try:
                 return pack_groups(fused, axis, roles.row, group), (axis, roles.row, group)
             except FusionError:
@@ -358,6 +396,10 @@ def _grid_group(row_tiles: int, batch: int, splits: int, num_sms: int, block_map
     return None if group == 1 and batch <= MAX_GRID_AXIS else group
 
 
+# launchers kept per compiled function (~20 KB each); a decode loop adds one per key length, and a
+# new one costs a millisecond or two of host time (the executable for its plan is cached)
+MAX_LAUNCHERS = 256
+
 # set by integrations.ops: how a call made while torch.compile traces becomes one registered op
 IN_GRAPH: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any] | None = None
 
@@ -401,12 +443,11 @@ class Compiled:
         main_dtype = next(dtypes[b.name] for b in program.inputs if args[b.name].is_floating_point())
         fused = _fuse_cached(program, 1)[-1].program
         fused, layout = _choose_layout(fused, axis_extents(fused, args))
-        roles = assign_roles(fused)
+        roles = _roles_of(fused)
         sizes = axis_extents(fused, args)
         full_sizes = {a: sizes[a] for a in roles.full}
         batch = math.prod(sizes[a] for a in roles.batch)
-        int_params = {p for p, k in fused.param_kinds.items() if k == "int"}
-        masks = analyze_masks(fused_loop_of(fused), roles.row, int_params, contribution_vanishes)
+        masks = _masks_of(fused, roles.row)
         use_block_map = masks.residual
         given_plan = plan is not None
         if plan is None:
@@ -484,7 +525,7 @@ class Compiled:
         if plan.splits > 1:
             try:
                 cprog = combine_program(fused)
-                combine_steps = fuse(cprog)
+                combine_steps = list(_fuse_cached(cprog, 1))  # the same for every split count
             except FusionError:
                 if isinstance(self.schedule, SplitK) or given_plan:
                     raise
@@ -577,6 +618,8 @@ class Compiled:
         if run is None:
             run = self._prepare(dict(zip(self._names, args)))
             self._launchers[key] = run
+            if len(self._launchers) > MAX_LAUNCHERS:  # oldest first: a decode loop never returns to a length
+                del self._launchers[next(iter(self._launchers))]
         return run(args)
 
     def _prepare(self, named: dict[str, Any]) -> Callable[[list[Any]], Any]:
@@ -605,7 +648,7 @@ class Compiled:
         device = example[program.inputs[0].name].device
         out_dtype = next(example[b.name].dtype for b in program.inputs if example[b.name].is_floating_point())
         fused = exe.main.program
-        roles = assign_roles(fused)
+        roles = _roles_of(fused)
         out_shapes = {spec.stage: [sizes[a] for a in fused.stage(spec.stage).axes] for spec in fused.outputs}
         # an output whose value is cast to a float dtype (`x.to(torch.float32)`) is stored in it
         out_dtypes = {name: _declared_dtype(fused.stage(name).body, out_dtype) for name in out_shapes}
@@ -618,7 +661,8 @@ class Compiled:
             scratch = {f"part_{m.name}": ([exe.plan.splits, *(sizes[a] for a in m.axes)], torch.float32)
                        for m in loop.members}
             scratch[COUNTER] = ([counters], torch.int32)
-        scratch_key = (tuple(sorted(sizes.items())), exe.plan.splits, str(device), fused.fingerprint())
+        # keyed by the buffers' shapes: calls that differ only in the length of the split axis share them
+        scratch_key = (tuple((n, tuple(shape)) for n, (shape, _) in scratch.items()), str(device), fused.fingerprint())
         position = {name: i for i, name in enumerate(order)}
         csizes = dict(sizes)
         csizes[SPLIT_AXIS] = exe.plan.splits

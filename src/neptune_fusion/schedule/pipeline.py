@@ -7,6 +7,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from neptune_fusion.algebra.repair import repair_finite_from_identity, terms_vanish_while_identity
 from neptune_fusion.analysis.chains import chain_axis
@@ -64,10 +65,16 @@ def fuse(program: Program, splits: int = 1) -> list[Step]:
         steps.append(Step("expand sums that need final running values into basis sums (Welford-style)", p))
     p = rolling_update(p, axis)
     steps.append(Step(f"rolling update along {axis!r} (derived repair terms)", p))
-    if splits > 1:
-        p = split_k_update(p, axis, splits)
-        steps.append(Step(f"split-K update: {splits} chunks along {axis!r}", p))
-    return steps
+    return with_split_k(steps, splits) if splits > 1 else steps
+
+
+def with_split_k(steps: Sequence[Step], splits: int) -> list[Step]:
+    """`fuse(program)`'s steps followed by the split-K update into `splits` chunks: what
+    `fuse(program, splits)` returns, without running the passes (and their proofs) again."""
+    p = steps[-1].program
+    axis = next(n.axis for n in p.stages if isinstance(n, FusedLoop))
+    p = split_k_update(p, axis, splits)
+    return [*steps, Step(f"split-K update: {splits} chunks along {axis!r}", p)]
 
 
 SPLIT_AXIS = "split"

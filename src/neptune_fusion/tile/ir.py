@@ -126,6 +126,9 @@ class TileKernel:
     # programmatic dependent launch between two kernels of one call: "primary" lets the next kernel
     # launch while it runs, "dependent" waits for the previous kernel's writes before anything else
     grid_dependency: str = "none"
+    # int arguments Triton must not specialise on (== 1, divisible by 16): the length of the loop
+    # axis, which changes from call to call (a growing KV cache), so one compiled kernel serves it all
+    do_not_specialize: list[str] = field(default_factory=list)
 
 
 def format_tile_kernel(kernel: TileKernel) -> str:

@@ -46,6 +46,7 @@ from neptune_fusion.ir.expr import (
     walk,
 )
 from neptune_fusion.ir.program import FusedLoop, Program, Stage
+from neptune_fusion.schedule.pipeline import SPLIT_AXIS
 from neptune_fusion.tile.ir import Assign, CombineTail, KernelArg, Loop, Op, Stmt, Store, TileKernel, TVal
 
 LOG2E = 1.4426950408889634
@@ -203,8 +204,6 @@ class KernelBuilder:
         for axis in self.roles.epilogue:
             self.block[axis] = f"BLOCK_{axis.upper()}"
             self.constexprs[f"BLOCK_{axis.upper()}"] = config.block_epilogue
-        if config.splits > 1:
-            self.constexprs["SPLITS"] = config.splits
         int_params = {p for p, k in program.param_kinds.items() if k == "int"}
         self.masks: MaskInfo = analyze_masks(self.loop, self.roles.row, int_params, contribution_vanishes)
 
@@ -634,9 +633,13 @@ class KernelBuilder:
         if cfg.partial_outputs and cfg.fused_combine is not None:
             self._emit_combine_tail(cfg.fused_combine, pid_b, n_tiles, row_tile)
         if cfg.splits > 1:
-            grid.append("SPLITS")
+            grid.append(self._splits().name)
+        # neither the loop's length nor the split count (a run-time argument, not a constexpr) selects
+        # a compiled kernel: a decode loop over a growing KV cache runs one kernel for every length
+        varying = (f"size:{roles.col}", f"size:{SPLIT_AXIS}")
         return TileKernel(self.name, self.args, roles.tile_axes, self.block, grid, self.body, cfg.num_warps,
-                          cfg.num_stages, self.constexprs, list(cfg.notes))
+                          cfg.num_stages, self.constexprs, list(cfg.notes),
+                          do_not_specialize=[a.name for a in self.args if a.source in varying])
 
     def _grouped_program_ids(self, n_tiles: TVal, group: int) -> tuple[TVal, TVal]:
         """(row program, batch entry) of a one-axis grid that runs the row tiles of `group` batch
@@ -680,7 +683,7 @@ class KernelBuilder:
         bounds = [self._box_bounds(box, r0, r1, n, ctx) for box in boxes]
         if self.config.splits > 1:
             pid_s = self._split_id()
-            per = self.op("cdiv", (), "i32", (n,), prefix="per", block="SPLITS")
+            per = self.op("cdiv", (), "i32", (n,), prefix="per", block=self._splits().name)
             chunk = self.bin("mul", self.op("cdiv", (), "i32", (per,), prefix="chunk", block="BLOCK_C"), bc)
             c_lo = self.bin("mul", pid_s, chunk)
             c_hi = self.bin("min", self.bin("add", c_lo, chunk), n)
@@ -833,7 +836,7 @@ class KernelBuilder:
             first = self.const(0)
             if self.config.splits > 1:
                 split = self._split_id()
-                share = self.op("cdiv", (), "i32", (count,), prefix="share", block="SPLITS")
+                share = self.op("cdiv", (), "i32", (count,), prefix="share", block=self._splits().name)
                 first = self.bin("min", self.bin("mul", split, share), count)
                 count = self.bin("min", self.bin("add", first, share), count)
             var = TVal(self.fresh("t_"), (), "i32")
@@ -1003,7 +1006,7 @@ class KernelBuilder:
         names = []
         for arg in combine.args:
             names.append(self.kernel_arg(f"cb_{arg.name}", arg.kind, arg.source, "i32").name)
-        self.body.append(CombineTail(combine.name, names, dict(combine.constexprs), counter, "SPLITS"))
+        self.body.append(CombineTail(combine.name, names, dict(combine.constexprs), counter, self._splits().name))
 
     def _emit_second_pass(self, stages: list[Stage], state: dict[str, TVal], valid: dict[str, TVal | None],
                           axis: str) -> None:
@@ -1030,6 +1033,11 @@ class KernelBuilder:
         del self.bindings[axis]
         self.body.append(Loop(var, self.const(0), self.size(axis), block, body,
                               f"second pass over {axis}: outputs indexed by it"))
+
+    def _splits(self) -> TVal:
+        """The split count of a split-K kernel: a run-time argument (the launcher passes the plan's
+        count as the size of the split axis), so every split count runs one compiled kernel."""
+        return self.kernel_arg(f"size_{SPLIT_AXIS}", "int", f"size:{SPLIT_AXIS}", "i32")
 
     def _split_id(self) -> TVal:
         """This program's split (grid axis 2), read once per kernel."""
