@@ -111,6 +111,8 @@ def main() -> None:
                 r[f"{name}_us"], r[f"{name}_rounds_us"] = min(ts), ts
             r["after_over_before"] = r["after_us"] / r["before_us"]
             results.append(r)
+            write_results("ab_attention", {"environment": environment(), "before": args.before, "partial": True,
+                                           "results": results})  # what a timed-out run still returns
             print(f"{op:11s} {seq:6d} before {r['before_us']:9.1f}us (err {r['before_rel_err']:.1e})  after "
                   f"{r['after_us']:9.1f}us (err {r['after_rel_err']:.1e})  after/before {r['after_over_before']:.3f}",
                   flush=True)
