@@ -598,19 +598,29 @@ class Compiled:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if IN_GRAPH is not None and torch.compiler.is_compiling():
             return IN_GRAPH(self, args, kwargs)  # one registered op in torch.compile's graph
-        return self.run_eager(*args, **kwargs)
+        if torch.is_grad_enabled():
+            self._refuse_grad(args, kwargs)
+        return self._launch(args, kwargs)
 
     def run_eager(self, *args: Any, **kwargs: Any) -> Any:
         """Launch the kernels for these arguments (what a call does outside torch.compile)."""
-        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad
-                                           for a in (*args, *kwargs.values())):
-            raise RuntimeError(f"{self.program_def.name}: nf.compile'd programs have no backward yet, but an input "
-                               f"requires grad: the result would silently carry no gradient. Run the call under "
-                               f"torch.no_grad() or pass detached tensors")
-        return self.launch(*args, **kwargs)
+        if torch.is_grad_enabled():
+            self._refuse_grad(args, kwargs)
+        return self._launch(args, kwargs)
 
     def launch(self, *args: Any, **kwargs: Any) -> Any:
         """`run_eager` for callers that checked gradients themselves (nf.attention)."""
+        return self._launch(args, kwargs)
+
+    def _refuse_grad(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        for a in (*args, *kwargs.values()) if kwargs else args:
+            if isinstance(a, torch.Tensor) and a.requires_grad:
+                raise RuntimeError(
+                    f"{self.program_def.name}: nf.compile'd programs have no backward yet, but an input requires "
+                    f"grad: the result would silently carry no gradient. Run the call under torch.no_grad() or "
+                    f"pass detached tensors")
+
+    def _launch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if kwargs or len(args) != self._arity:
             args = tuple(v for _, v in self.program_def.bind(*args, **kwargs))
         key = tuple(map(_arg_key, args))
@@ -676,11 +686,18 @@ class Compiled:
         masks = exe.masks
         map_key = (fused.fingerprint(), tuple(sorted(sizes.items())), exe.plan.block_row, exe.plan.block_col)
 
+        kept: list[dict[str, torch.Tensor]] = []  # the scratch kept between calls, once allocated
+
         def run(values: list[Any]) -> Any:
             outputs = {name: torch.empty(shape, dtype=out_dtypes[name], device=device)
                        for name, shape in out_shapes.items()}
             if scratch:  # per call where no state may outlive it (private_state), else kept
-                outputs.update(self._scratch_for(scratch_key, scratch, device, CALL_STATE.private))
+                if CALL_STATE.private:
+                    outputs.update(self._scratch_for(scratch_key, scratch, device, True))
+                else:
+                    if not kept:
+                        kept.append(self._scratch_for(scratch_key, scratch, device, False))
+                    outputs.update(kept[0])
             if masks is not None:
                 outputs.update(block_map(fused, masks, roles, sizes, dict(zip(order, values)), exe.plan.block_row,
                                          exe.plan.block_col, map_key))
