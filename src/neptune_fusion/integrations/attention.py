@@ -62,7 +62,7 @@ from neptune_fusion.lang.tensor import SymTensor, broadcast, cast, lift
 from neptune_fusion.lang.torch_function import CaptureTable
 from neptune_fusion.lang.trace import ArgSpec, ProgramDef, trace
 from neptune_fusion.runtime.compiled import Compiled
-from neptune_fusion.runtime.state import CALL_STATE, private_state
+from neptune_fusion.runtime.state import CALL_STATE, in_cudagraph_tree, private_state
 from neptune_fusion.schedule.templates import Auto, Flash, Schedule, SplitK
 
 __all__ = ["AuxOutput", "Builtins", "attend", "attention", "attention_inputs", "attention_program", "clear_cache",
@@ -668,7 +668,7 @@ def _flex_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     fast_key = (handle, query.shape, key.shape, value.shape, query.dtype, scale,
                 tuple((t.shape, t.dtype) for t in captures))
     hit = _fast.get(fast_key)
-    with private_state():  # inside torch.compile's CUDA graphs no device memory may outlive the call
+    with private_state(in_cudagraph_tree()):  # in torch.compile's CUDA graphs no memory may outlive the call
         if hit is not None:
             return list(hit.launch(query, key, value, captures))
         return list(_run(query, key, value, h.request, _extras_of(h, captures), scale, groups, captures, h.keyed,

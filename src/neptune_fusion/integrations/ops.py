@@ -24,7 +24,7 @@ import torch
 
 from neptune_fusion.runtime import compiled as _compiled
 from neptune_fusion.runtime.compiled import Compiled, output_specs
-from neptune_fusion.runtime.state import private_state
+from neptune_fusion.runtime.state import in_cudagraph_tree, private_state
 
 __all__ = ["call_in_graph"]
 
@@ -57,7 +57,7 @@ def _named(handle: int, tensors: list[torch.Tensor], floats: list[float], ints: 
 def _program_op(tensors: list[torch.Tensor], floats: list[float], ints: list[int], handle: int) -> list[torch.Tensor]:
     """One call of an `nf.compile`d function as a torch op (its kernels, run as an eager call runs them)."""
     fn, named = _named(handle, tensors, floats, ints)
-    with private_state():  # inside torch.compile's CUDA graphs no device memory may outlive the call
+    with private_state(in_cudagraph_tree()):  # in torch.compile's CUDA graphs no memory may outlive the call
         result = fn.run_eager(**named)
     return list(result) if isinstance(result, tuple) else [result]
 

@@ -13,7 +13,7 @@ import threading
 from contextlib import contextmanager
 from typing import Iterator
 
-__all__ = ["CALL_STATE", "private_state"]
+__all__ = ["CALL_STATE", "in_cudagraph_tree", "private_state"]
 
 
 class _CallState(threading.local):
@@ -26,14 +26,40 @@ CALL_STATE = _CallState()
 
 
 @contextmanager
-def private_state() -> Iterator[None]:
+def private_state(enabled: bool = True) -> Iterator[None]:
     """Launches inside allocate their scratch (split-K partials and counters, descriptor space,
     block maps, scalar copies) per call and cache none of it. torch.compile's CUDA graphs
     (mode="reduce-overhead") need this: memory allocated while a graph is recorded, or in its
     warm-up, belongs to the graph's pool, and a cached tensor there would outlive the graph's outputs."""
     before = CALL_STATE.private
-    CALL_STATE.private = True
+    CALL_STATE.private = before or enabled
     try:
         yield
     finally:
         CALL_STATE.private = before
+
+
+def in_cudagraph_tree() -> bool:
+    """Whether torch.compile's CUDA graphs (mode="reduce-overhead") are warming up or recording on
+    this device now: then new memory belongs to the graphs' pool, and a call must keep none of it.
+    Outside them (eager calls, compiled graphs without CUDA graphs) caches are kept.
+
+    Example:
+        >>> in_cudagraph_tree()   # no CUDA graph tree here
+        False
+    """
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return False
+    if torch.cuda.is_current_stream_capturing():
+        return True
+    try:  # torch's cudagraph trees keep their state in a private module
+        from torch._inductor import cudagraph_trees
+    except ImportError:
+        return False
+    try:
+        manager = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+        return manager is not None and bool(manager.in_warmup or manager.in_recording)
+    except Exception:  # noqa: BLE001 - an unknown torch: keep nothing rather than risk the graph pool
+        return True
