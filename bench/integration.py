@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 import neptune_fusion as nf
 from bench.common import bench, environment, host_us, rel_err, warm_up_gpu, write_results
+from bench.graph_check import captured
 from neptune_fusion.integrations.attention import attend
 
 HQ, HKV, D = 32, 8, 128
@@ -67,19 +68,6 @@ def reference(q, k, v, score_mod, mask_mod) -> torch.Tensor:
     return torch.softmax(s, -1).nan_to_num(0.0) @ vf
 
 
-def _captured(call: Any) -> torch.cuda.CUDAGraph:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    return graph
-
-
 def host_times() -> dict[str, Any]:
     """Host microseconds per call: decode (batch 4, one query, 4096 keys), ours beside SDPA."""
     q = torch.randn(4, HQ, 1, D, device="cuda", dtype=torch.float16)
@@ -98,7 +86,7 @@ def host_times() -> dict[str, Any]:
             out[f"{name}_host_us"] = min(host_us(call) for _ in range(5))
             out[f"{name}_gpu_us"] = bench(call)
         for name in ("sdpa", "nf_alibi", "nf_alibi_lengths"):  # a captured step replayed: host time per replay
-            graph = _captured(calls[name])
+            graph, _ = captured(calls[name])
             out[f"{name}_graph_replay_host_us"] = min(host_us(graph.replay) for _ in range(3))
         prof = cProfile.Profile()
         prof.enable()
