@@ -665,7 +665,7 @@ def _flex_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     """One fused attention kernel as a torch op: what torch.compile puts in its graph."""
     h = _handles[handle]
     groups = query.shape[1] // key.shape[1]
-    fast_key = (handle, query.shape, key.shape, value.shape, query.dtype, scale,
+    fast_key = ("op", handle, query.shape, key.shape, value.shape, query.dtype, scale,
                 tuple((t.shape, t.dtype) for t in captures))
     hit = _fast.get(fast_key)
     with private_state(in_cudagraph_tree()):  # in torch.compile's CUDA graphs no memory may outlive the call
