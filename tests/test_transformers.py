@@ -333,3 +333,14 @@ def test_output_attentions_and_gradients(llama: tuple[torch.nn.Module, torch.nn.
     assert out.attentions is not None and all(a is None for a in out.attentions)
     with pytest.raises(RuntimeError, match="no backward"):
         ours(ids, attention_mask=mask)
+
+
+def test_chunked_attention_config_is_refused() -> None:
+    """Chunked attention (Llama-4) is refused from the config, which torch.compile can read too."""
+    import types
+
+    from neptune_fusion.integrations.transformers import mask
+
+    config = types.SimpleNamespace(attention_chunk_size=8)
+    with pytest.raises(NotImplementedError, match="attention_chunk_size"):
+        mask(batch_size=1, q_length=4, kv_length=4, config=config)

@@ -17,9 +17,10 @@ compiling). Not supported, with an error naming it: dropout in training mode, cu
 mask patterns other than causal / sliding / bidirectional (chunked attention, packed sequences,
 `or_mask_function` / `and_mask_function` overlays), bidirectional sliding windows, attention
 sinks (`s_aux`), position biases. The pattern is recognised from the mask function outside
-tracing only: under torch.compile the overlays are still refused, but chunked attention and
-packed sequences (position_ids restarting inside a row, no attention_mask, no cache) are not
-seen and would run as plain causal attention. `output_attentions=True` warns and returns no
+tracing only: under torch.compile the overlays are still refused and chunked attention is
+refused from the config, but packed sequences (position_ids restarting inside a row, no
+attention_mask, no cache) are not seen and would run as plain causal attention: pass an
+attention_mask when compiling such inputs. `output_attentions=True` warns and returns no
 weights, as transformers' sdpa does. No backward yet (inference only).
 
 What the mask function returns (the model hands it to every layer as `attention_mask`):
@@ -117,6 +118,13 @@ def mask(batch_size: int, q_length: int | None = None, kv_length: int | None = N
             "neptune_fusion attention supports causal, sliding-window and bidirectional masks with padding; this "
             "model overlays its own mask function (or_mask_function / and_mask_function, e.g. for image tokens). "
             "Use attn_implementation='sdpa' or 'eager' for it.")
+    if getattr(kwargs.get("config"), "attention_chunk_size", None) is not None:
+        # chunked attention (Llama-4): refused from the config, which is readable while torch.compile traces
+        # (the mask function, a closure made in the traced forward, is not)
+        raise NotImplementedError(
+            "neptune_fusion attention supports causal, sliding-window and bidirectional masks with padding; this "
+            "model's config asks for chunked attention (attention_chunk_size). Use attn_implementation='sdpa' or "
+            "'eager' for it.")
     bidirectional = "allow_is_bidirectional_skip" in kwargs
     if mask_function is not None and not is_tracing(attention_mask):
         pattern = _pattern(mask_function)
