@@ -147,8 +147,22 @@ def tune_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+def _interpreter_from_the_start(argv: list[str] | None) -> None:
+    """Without a GPU the commands run kernels in Triton's interpreter, which must be chosen before
+    Triton is imported; importing this package imports it (through torch._dynamo), so a process
+    that has not chosen it starts again with TRITON_INTERPRET=1."""
+    import torch
+
+    if os.environ.get("TRITON_INTERPRET", "0") == "1" or torch.cuda.is_available():
+        return
+    os.environ["TRITON_INTERPRET"] = "1"
+    if "triton" in sys.modules:
+        os.execv(sys.executable, [sys.executable, "-m", "neptune_fusion", *(sys.argv[1:] if argv is None else argv)])
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `neptune-fusion`; returns the exit status."""
+    _interpreter_from_the_start(argv)
     parser = argparse.ArgumentParser(prog="neptune-fusion", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p_demo = sub.add_parser("demo", help="compile plain attention, show repair terms and kernel, run and check")
