@@ -20,32 +20,13 @@ import torch
 import neptune_fusion as nf
 from bench.common import bench, environment, rel_err, warm_up_gpu, write_results
 from bench.decode import OPS as DECODE_OPS
-from bench.decode import torch_plain
+from bench.decode import plain, torch_plain
 from bench.flex_ops import make_case, reference_rows
 
 DEVICE = "cuda"
 PREFILL_SEQS = (1024, 4096, 16384)
 DECODE_SEQS = (1024, 4096, 16384, 32768)
 PREFILL_FLEX = ("pf_alibi", "pf_gqa", "pf_softcap", "pf_window")
-
-
-def decode_program(mod: Any, kind: str) -> Any:
-    """bench/decode.py's plain decode program, written with package `mod`'s front end."""
-
-    def attention(q, k, v, slopes, scale):
-        group = q.shape[1] // k.shape[1]
-        if group > 1:
-            k = mod.repeat_interleave(k, group, 1)
-            v = mod.repeat_interleave(v, group, 1)
-        s = mod.einsum("bhqd,bhkd->bhqk", q, k) * scale
-        if kind == "alibi":
-            s = s + slopes[:, None, None] * (mod.index(s, -1) - mod.index(s, -2) - (k.shape[2] - q.shape[2]))
-        if kind == "softcap":
-            s = 50.0 * mod.tanh(s / 50.0)
-        p = mod.exp(s - s.max(axis=-1, keepdims=True))
-        return mod.einsum("bhqk,bhkd->bhqd", p, v) / p.sum(axis=-1, keepdims=True)
-
-    return mod.program(attention)
 
 
 def point(op: str, seq: int, mods: dict[str, Any]) -> tuple[dict[str, Callable[[], torch.Tensor]], Callable]:
@@ -78,7 +59,7 @@ def point(op: str, seq: int, mods: dict[str, Any]) -> tuple[dict[str, Callable[[
     ref = torch_plain(q.float(), k.float(), v.float(), slopes, scale, kind).float()
     calls = {}
     for name, mod in mods.items():
-        fn = mod.compile(decode_program(mod, kind))
+        fn = mod.compile(plain(kind, mod))
         calls[name] = lambda fn=fn: fn(q, k, v, slopes, scale)
     return calls, lambda out: rel_err(out, ref)
 

@@ -27,24 +27,24 @@ from bench.common import bench, environment, rel_err, warm_up_gpu, write_results
 SOFTCAP = 50.0
 
 
-def plain(kind: str):
-    """The plain program for an operator: what a user writes (and what torch.compile gets)."""
+def plain(kind: str, front: Any = nf):
+    """The plain program for an operator: what a user writes (and what torch.compile gets), with
+    `front`'s ops (another neptune_fusion package for before/after comparisons)."""
 
-    @nf.program
     def attention(q, k, v, slopes, scale):
         group = q.shape[1] // k.shape[1]
         if group > 1:
-            k = nf.repeat_interleave(k, group, 1)
-            v = nf.repeat_interleave(v, group, 1)
-        s = nf.einsum("bhqd,bhkd->bhqk", q, k) * scale
+            k = front.repeat_interleave(k, group, 1)
+            v = front.repeat_interleave(v, group, 1)
+        s = front.einsum("bhqd,bhkd->bhqk", q, k) * scale
         if kind == "alibi":
-            s = s + slopes[:, None, None] * (nf.index(s, -1) - nf.index(s, -2) - (k.shape[2] - q.shape[2]))
+            s = s + slopes[:, None, None] * (front.index(s, -1) - front.index(s, -2) - (k.shape[2] - q.shape[2]))
         if kind == "softcap":
-            s = SOFTCAP * nf.tanh(s / SOFTCAP)
-        p = nf.exp(s - s.max(axis=-1, keepdims=True))
-        return nf.einsum("bhqk,bhkd->bhqd", p, v) / p.sum(axis=-1, keepdims=True)
+            s = SOFTCAP * front.tanh(s / SOFTCAP)
+        p = front.exp(s - s.max(axis=-1, keepdims=True))
+        return front.einsum("bhqk,bhkd->bhqd", p, v) / p.sum(axis=-1, keepdims=True)
 
-    return attention
+    return front.program(attention)
 
 
 def torch_plain(q, k, v, slopes, scale, kind):

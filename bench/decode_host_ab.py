@@ -14,8 +14,8 @@ import math
 import torch
 
 import neptune_fusion as nf
-from bench.ab_attention import decode_program
 from bench.common import bench, host_us
+from bench.decode import plain
 
 
 def main() -> None:
@@ -26,7 +26,7 @@ def main() -> None:
         slopes = torch.ones(64, device="cuda")
         scale = 1 / math.sqrt(128)
         for name, mod in mods.items():
-            fn = mod.compile(decode_program(mod, "plain"))
+            fn = mod.compile(plain("plain", mod))
 
             def call() -> torch.Tensor:
                 return fn(q, k, v, slopes, scale)

@@ -53,40 +53,33 @@ def _floordiv_float(a, b):
 # tl.maximum drops a NaN by default (PTX max.f32) and tl.max reduces with it and has no switch.
 # On the GPU the combine is PTX max.NaN.f32 written out: one FMNMX.NAN for each FMNMX, the kernels'
 # machine code otherwise unchanged. tl.maximum(..., propagate_nan=ALL) (LLVM's maximum) gives the
-# same instruction but lets LLVM vectorise the reductions built from it, which it scalarises
-# badly: ALiBi attention measured 11% slower that way on the H200, this way as fast as before.
-_NAN_COMBINE_CUDA = '''
+# same instruction but lets LLVM vectorise the reductions built from it and the score arithmetic
+# feeding them, which it then scalarises badly (bench/NOTES.md item 38 has the measurement).
+_NAN_PAIRS = (("maximum", "max", "-inf"), ("minimum", "min", "inf"))
+
+
+def _each_nan_pair(template: str) -> str:
+    return "".join(template.format(fn=fn, op=op, identity=identity) for fn, op, identity in _NAN_PAIRS)
+
+
+_NAN_COMBINE_CUDA = _each_nan_pair('''
 
 @triton.jit
-def _maximum_nan(a, b):
+def _{fn}_nan(a, b):
     if a.dtype == tl.float32:
-        return tl.inline_asm_elementwise("max.NaN.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32,
+        return tl.inline_asm_elementwise("{op}.NaN.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32,
                                          is_pure=True, pack=1)
     else:
-        return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
-def _minimum_nan(a, b):
-    if a.dtype == tl.float32:
-        return tl.inline_asm_elementwise("min.NaN.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32,
-                                         is_pure=True, pack=1)
-    else:
-        return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
-'''
+        return tl.{fn}(a, b, propagate_nan=tl.PropagateNan.ALL)
+''')
 
 # (the interpreter's tl.maximum / tl.minimum are numpy's, which propagate NaN either way)
-_NAN_COMBINE_PORTABLE = '''
+_NAN_COMBINE_PORTABLE = _each_nan_pair('''
 
 @triton.jit
-def _maximum_nan(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
-def _minimum_nan(a, b):
-    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
-'''
+def _{fn}_nan(a, b):
+    return tl.{fn}(a, b, propagate_nan=tl.PropagateNan.ALL)
+''')
 
 _REDUCE_NAN_CUDA = '''
 
@@ -103,19 +96,13 @@ def _min_nan(x, AXIS: tl.constexpr):
 
 # The interpreter runs a reduction with a combine function of its own one element at a time; its
 # tl.max / tl.min are numpy's nanmax / nanmin (NaN skipped, as on the GPU): put the NaN back.
-_REDUCE_NAN_PORTABLE = '''
+_REDUCE_NAN_PORTABLE = _each_nan_pair('''
 
 @triton.jit
-def _max_nan(x, AXIS: tl.constexpr):
+def _{op}_nan(x, AXIS: tl.constexpr):
     nan = tl.sum((x != x).to(tl.int32), AXIS) != 0
-    return tl.where(nan, float("nan"), tl.max(tl.where(x != x, float("-inf"), x), AXIS))
-
-
-@triton.jit
-def _min_nan(x, AXIS: tl.constexpr):
-    nan = tl.sum((x != x).to(tl.int32), AXIS) != 0
-    return tl.where(nan, float("nan"), tl.min(tl.where(x != x, float("inf"), x), AXIS))
-'''
+    return tl.where(nan, float("nan"), tl.{op}(tl.where(x != x, float("{identity}"), x), AXIS))
+''')
 
 _TANH_CUDA = '''
 

@@ -377,6 +377,12 @@ def _follow(obj: Any, path: Path) -> Any:
     return obj
 
 
+def _capture_names(request: Any, paths: Any) -> tuple[str, ...]:
+    """`_describe` of each path `_keys(request)` recorded (they start at (score_mod, mask_mod))."""
+    mods = (request.score_mod, request.mask_mod)
+    return tuple(_describe(("score_mod", "mask_mod")[p[0][1]], mods[p[0][1]], p[1:]) for p in paths)
+
+
 def _describe(mod_name: str, fn: Any, path: Path) -> str:
     """Where a captured tensor comes from, for error messages ("score_mod's closure variable 'slopes'")."""
     step = path[-1] if path else ("",)
@@ -556,12 +562,13 @@ def _check_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: _Req
                 extras: tuple[torch.Tensor, ...], captured: list[torch.Tensor], paths: tuple[Path, ...] | list[Path],
                 names: tuple[str, ...] | None = None) -> None:
     """No silent gradient-free results: the kernels have no backward yet."""
+    if not torch.is_grad_enabled():
+        return
     tensors = [q, k, v, *captured, *extras]
-    if not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
+    if not any(t.requires_grad for t in tensors):
         return
     if names is None:
-        mods = (request.score_mod, request.mask_mod)
-        names = tuple(_describe(("score_mod", "mask_mod")[p[0][1]], mods[p[0][1]], p[1:]) for p in paths)
+        names = _capture_names(request, paths)
     labels = ["query", "key", "value", *names, *_extra_names(request.builtins)]
     what = next(label for label, t in zip(labels, tensors) if t.requires_grad)
     raise RuntimeError(
@@ -654,9 +661,7 @@ def _static_handle(score_mod: Any, mask_mod: Any, builtins: tuple[Any, ...], out
     if key not in _handle_of:
         _handle_of[key] = len(_handles)
         _handles.append(_Handle(request, keyed, tuple(walk.paths)))
-    mods = (request.score_mod, request.mask_mod)
-    names = tuple(_describe(("score_mod", "mask_mod")[p[0][1]], mods[p[0][1]], p[1:]) for p in walk.paths)
-    return _handle_of[key], tuple(walk.paths), names
+    return _handle_of[key], tuple(walk.paths), _capture_names(request, walk.paths)
 
 
 @torch.library.custom_op("neptune_fusion::flex_attention", mutates_args=())
@@ -671,12 +676,8 @@ def _flex_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     with private_state(in_cudagraph_tree()):  # in torch.compile's CUDA graphs no memory may outlive the call
         if hit is not None:
             return list(hit.launch(query, key, value, captures))
-        return list(_run(query, key, value, h.request, _extras_of(h, captures), scale, groups, captures, h.keyed,
-                         fast_key))
-
-
-def _extras_of(h: _Handle, captures: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    return tuple(captures[len(h.paths):])
+        extras = tuple(captures[len(h.paths):])  # the closure tensors come first
+        return list(_run(query, key, value, h.request, extras, scale, groups, captures, h.keyed, fast_key))
 
 
 @_flex_attention_op.register_fake

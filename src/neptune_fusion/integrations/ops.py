@@ -58,7 +58,7 @@ def _program_op(tensors: list[torch.Tensor], floats: list[float], ints: list[int
     """One call of an `nf.compile`d function as a torch op (its kernels, run as an eager call runs them)."""
     fn, named = _named(handle, tensors, floats, ints)
     with private_state(in_cudagraph_tree()):  # in torch.compile's CUDA graphs no memory may outlive the call
-        result = fn.run_eager(**named)
+        result = fn(**named)  # (not compiling here: torch.compile traces the fake implementation)
     return list(result) if isinstance(result, tuple) else [result]
 
 

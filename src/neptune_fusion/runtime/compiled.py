@@ -602,14 +602,8 @@ class Compiled:
             self._refuse_grad(args, kwargs)
         return self._launch(args, kwargs)
 
-    def run_eager(self, *args: Any, **kwargs: Any) -> Any:
-        """Launch the kernels for these arguments (what a call does outside torch.compile)."""
-        if torch.is_grad_enabled():
-            self._refuse_grad(args, kwargs)
-        return self._launch(args, kwargs)
-
     def launch(self, *args: Any, **kwargs: Any) -> Any:
-        """`run_eager` for callers that checked gradients themselves (nf.attention)."""
+        """A call for callers that checked gradients themselves (nf.attention)."""
         return self._launch(args, kwargs)
 
     def _refuse_grad(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -686,18 +680,17 @@ class Compiled:
         masks = exe.masks
         map_key = (fused.fingerprint(), tuple(sorted(sizes.items())), exe.plan.block_row, exe.plan.block_col)
 
-        kept: list[dict[str, torch.Tensor]] = []  # the scratch kept between calls, once allocated
+        @functools.cache
+        def kept_scratch() -> dict[str, torch.Tensor]:  # allocated at the first call that may keep it
+            if scratch_key not in self._scratch:
+                self._scratch[scratch_key] = _fresh_scratch(scratch, device)
+            return self._scratch[scratch_key]
 
         def run(values: list[Any]) -> Any:
             outputs = {name: torch.empty(shape, dtype=out_dtypes[name], device=device)
                        for name, shape in out_shapes.items()}
             if scratch:  # per call where no state may outlive it (private_state), else kept
-                if CALL_STATE.private:
-                    outputs.update(self._scratch_for(scratch_key, scratch, device, True))
-                else:
-                    if not kept:
-                        kept.append(self._scratch_for(scratch_key, scratch, device, False))
-                    outputs.update(kept[0])
+                outputs.update(_fresh_scratch(scratch, device) if CALL_STATE.private else kept_scratch())
             if masks is not None:
                 outputs.update(block_map(fused, masks, roles, sizes, dict(zip(order, values)), exe.plan.block_row,
                                          exe.plan.block_col, map_key))
@@ -722,7 +715,7 @@ class Compiled:
         dynamic: list[bool] = []
         for arg in tile.args:
             kind, _, rest = arg.source.partition(":")
-            dynamic.append(kind in ("input", "param", "output", "scratch") or (kind == "input" and rest in scratch))
+            dynamic.append(kind in ("input", "param", "output", "scratch"))
             if kind in ("input", "param") and rest in position:
                 getters.append(lambda v, o, i=position[rest]: v[i])
             elif kind in ("input", "scratch") and rest in scratch:
@@ -755,18 +748,12 @@ class Compiled:
         return (launch.fn, grid, getters, dict(tile.constexprs), tile.num_warps, tile.num_stages, dynamic,
                 tile.grid_dependency == "dependent")
 
-    def _scratch_for(self, key: Any, specs: dict[str, tuple[list[int], torch.dtype]], device: torch.device,
-                     private: bool) -> dict[str, torch.Tensor]:
-        """Partial-state buffers and per-row-tile arrival counters (zero between calls: the last
-        arrival resets its counter): allocated once per shape and reused across calls, or, with
-        `private`, allocated for this call alone."""
-        if private or key not in self._scratch:
-            made = {n: (torch.zeros if n == COUNTER else torch.empty)(shape, dtype=dtype, device=device)
-                    for n, (shape, dtype) in specs.items()}
-            if private:
-                return made
-            self._scratch[key] = made
-        return self._scratch[key]
+
+def _fresh_scratch(specs: dict[str, tuple[list[int], torch.dtype]], device: torch.device) -> dict[str, torch.Tensor]:
+    """Split-K partial-state buffers and per-row-tile arrival counters (zero between calls: the
+    last arrival resets its counter)."""
+    return {n: (torch.zeros if n == COUNTER else torch.empty)(shape, dtype=dtype, device=device)
+            for n, (shape, dtype) in specs.items()}
 
 
 class _FastLaunch:
