@@ -22,6 +22,7 @@ import torch.nn.functional as F
 import neptune_fusion as nf
 from bench.common import bench, environment, host_us, rel_err, warm_up_gpu, write_results
 from bench.graph_check import captured
+from neptune_fusion.integrations import attention as attention_module
 from neptune_fusion.integrations.attention import attend
 
 HQ, HKV, D = 32, 8, 128
@@ -81,10 +82,26 @@ def host_times() -> dict[str, Any]:
             "nf_alibi_lengths": lambda: nf.attention(q, k, v, score_mod=alibi, mask_mod=by_length, enable_gqa=True),
             "nf_attend_softcap": lambda: attend(q, k, v, enable_gqa=True, causal=True, softcap=50.0),
         }
+        try:  # the package before a change (bench/ab_baseline.sh), for host time before / after in one run
+            import nf_before  # type: ignore[import-not-found]
+
+            calls["before_nf_alibi"] = lambda: nf_before.attention(q, k, v, score_mod=alibi, enable_gqa=True)
+            calls["before_nf_attend_softcap"] = lambda: nf_before.integrations.attention.attend(
+                q, k, v, enable_gqa=True, causal=True, softcap=50.0)
+        except ImportError:
+            pass
+        # one launch (a short prefill, no split-K combine) beside SDPA's
+        qp, kp, vp = (torch.randn(1, HQ, 16, D, device="cuda", dtype=torch.float16) for _ in range(3))
+        calls["sdpa_prefill16"] = lambda: F.scaled_dot_product_attention(qp, kp, vp, is_causal=True)
+        calls["nf_alibi_prefill16"] = lambda: nf.attention(qp, kp, vp, score_mod=alibi, mask_mod=causal)
         for name, call in calls.items():
             call()
             out[f"{name}_host_us"] = min(host_us(call) for _ in range(5))
             out[f"{name}_gpu_us"] = bench(call)
+            if name.startswith("nf_"):  # which plans served it (the latest compiled function is this call's)
+                latest = next(reversed(attention_module._compiled.values()))
+                out[f"{name}_plans"] = [f"{exe.plan} grid {exe.main.tile.grid} combine {exe.combine is not None}"
+                                        for exe in latest._cache.values()]
         for name in ("sdpa", "nf_alibi", "nf_alibi_lengths"):  # a captured step replayed: host time per replay
             graph, _ = captured(calls[name])
             out[f"{name}_graph_replay_host_us"] = min(host_us(graph.replay) for _ in range(3))
@@ -160,7 +177,7 @@ def main() -> None:
     warm_up_gpu()
     result = {"environment": environment(), "host": host_times()}
     for key, value in result["host"].items():
-        print(key, value if isinstance(value, str) else f"{value:.1f}", flush=True)
+        print(key, f"{value:.1f}" if isinstance(value, float) else value, flush=True)
     result["compiled"] = compiled_checks()
     print("wrote", write_results("integration", result))
 

@@ -166,3 +166,28 @@ def test_launchers_per_length_are_bounded(monkeypatch):
         torch.testing.assert_close(out.double(), expected(q, k, v, causal=True), atol=2e-5, rtol=2e-5)
     compiled = _compiled_for_latest()
     assert len(compiled._launchers) == 3 and len(compiled._cache) == 1
+
+
+def test_one_trace_serves_every_length(monkeypatch):
+    """The traced program is kept per length class (1, or more): a decode loop traces once."""
+    attention_module.clear_cache()
+    traces = []
+    real = attention_module._trace_entry
+    monkeypatch.setattr(attention_module, "_trace_entry", lambda *a: traces.append(a[1].shape[2]) or real(*a))
+    for lk in (1, 2, 3, 9, 40):
+        q, k, v = qkv(1, lk, HKV, seed=lk)
+        out = nf.attention(q, k, v, score_mod=alibi, enable_gqa=True)
+        bias = lambda qi, ki: SLOPES[None, :, None, None] * (ki - qi)  # noqa: E731
+        torch.testing.assert_close(out.double(), expected(q, k, v, bias=bias), atol=2e-5, rtol=2e-5)
+    assert traces == [1, 2]  # a length-1 key axis is a broadcast dimension to the tracer: its own class
+
+
+def test_new_lengths_reuse_the_compiled_kernel_and_its_binder():
+    attention_module.clear_cache()
+    for lk in (20, 21, 22):
+        q, k, v = qkv(1, lk, HKV, seed=lk)
+        torch.testing.assert_close(attend(q, k, v, causal=True, enable_gqa=True).double(),
+                                   expected(q, k, v, causal=True), atol=2e-5, rtol=2e-5)
+    compiled = _compiled_for_latest()
+    assert len(compiled._launchers) == 3 and len(compiled._cache) == 1
+    assert compiled_module._binder.cache_info().hits >= 2

@@ -243,6 +243,24 @@ def test_repeated_calls_see_rebound_closures_and_globals(attn_inputs):
         BIAS = saved
 
 
+def test_a_captured_tensor_relaid_in_place_is_seen(attn_inputs):
+    """`t.data = ...` (what `module.half()` or `.to()` do to parameters) keeps the tensor object but
+    changes its layout: the repeated call's fast path must not reuse the launcher built for the old one."""
+    q, k, v = attn_inputs(1, H, 24, 24, 16)
+    scale = torch.linspace(0.5, 2.0, H)
+
+    def scaled(score, b, h, q_idx, kv_idx):
+        return score * scale[h]
+
+    for _ in range(2):
+        torch.testing.assert_close(nf.attention(q, k, v, score_mod=scaled),
+                                   dense(q, k, v, 0.25, score=lambda s: s * scale[:, None, None]), atol=2e-5, rtol=1e-4)
+    scale.data = torch.linspace(3.0, -1.0, 2 * H)[::2]  # a strided view: every other element
+    for _ in range(2):
+        torch.testing.assert_close(nf.attention(q, k, v, score_mod=scaled),
+                                   dense(q, k, v, 0.25, score=lambda s: s * scale[:, None, None]), atol=2e-5, rtol=1e-4)
+
+
 def lengths_mask_mod(lengths: torch.Tensor):
     def by_length(b, h, q_idx, kv_idx):
         return kv_idx < lengths[b]

@@ -50,7 +50,7 @@ import warnings
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
@@ -253,8 +253,14 @@ class _Walk:
 _MISSING = object()
 
 
+def tensor_layout(t: torch.Tensor) -> tuple[Any, ...]:
+    """What a compiled launcher is specialised on besides a tensor's identity: shape, strides, dtype,
+    device and 16-byte alignment (`model.half()` changes a parameter's dtype in place)."""
+    return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
+
+
 def _unchanged(reads: list[tuple[str, Any, Any, Any]]) -> bool:
-    """Whether every place a key was read from still holds the same object (tensors: same shape)."""
+    """Whether every place a key was read from still holds the same object (tensors: same layout)."""
     for kind, holder, place, value in reads:
         if kind == "cell":
             try:
@@ -268,8 +274,8 @@ def _unchanged(reads: list[tuple[str, Any, Any, Any]]) -> bool:
         elif kind == "len":
             if len(holder) != value:
                 return False
-        elif kind == "shape":
-            if holder.shape != value:
+        elif kind == "tensor":
+            if tensor_layout(holder) != value:
                 return False
         elif kind == "attr":
             if getattr(holder, place) is not value:
@@ -285,7 +291,7 @@ def _value_key(value: Any, walk: _Walk, path: Path, depth: int) -> Any:
     if isinstance(value, torch.Tensor):
         walk.tensors.append(value)
         walk.paths.append(path)
-        walk.read("shape", value, None, value.shape)
+        walk.read("tensor", value, None, tensor_layout(value))
         return ("tensor", tuple(value.shape), value.dtype, str(value.device))
     if isinstance(value, (torch.dtype, torch.device)):
         return ("torch", str(value))
@@ -440,6 +446,7 @@ def clear_cache() -> None:
     _programs.clear()
     _compiled.clear()
     _fast.clear()
+    _plain_requests.clear()
 
 
 def _remember(cache: OrderedDict[Any, Any], key: Any, value: Any, limit: int) -> None:
@@ -487,7 +494,13 @@ def _resolve(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: _Reques
         found = [*walk.tensors, *extras]
     struct = (fns, request.builtins, request.outputs, tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype,
               tuple((tuple(t.shape), t.dtype) for t in extras))
-    entry = _programs.get(struct)
+    any_length = (fns, request.builtins, request.outputs, _length_class(q.shape), _length_class(k.shape),
+                  _length_class(v.shape), q.dtype, tuple((tuple(map(_size_class, t.shape)), t.dtype) for t in extras))
+    entry = _programs.get(any_length)
+    if entry is not None:
+        struct = any_length
+    else:
+        entry = _programs.get(struct)
     if entry is _IDENTITY:
         entry = _programs.get((struct, tuple(id(t) for t in found)))
     if entry is None:
@@ -496,6 +509,8 @@ def _resolve(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: _Reques
             _remember(_programs, struct, _IDENTITY, _MAX_PROGRAMS)
             _remember(_programs, (struct, tuple(id(t) for t in found)), entry, _MAX_PROGRAMS)
         else:
+            if _length_free(entry.program):
+                struct = any_length
             _remember(_programs, struct, entry, _MAX_PROGRAMS)
     args: dict[str, Any] = {"q": q, "k": k, "v": v, "scale": scale}
     for name, src in zip(entry.names, entry.sources, strict=True):
@@ -507,6 +522,24 @@ def _resolve(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: _Reques
             t = scalar_on_device(t, q.device)  # a scalar made on the CPU, e.g. torch.tensor(50.0)
         args[name] = t
     return _Call(entry.program, args, (fns, request.builtins, request.outputs), tuple(walk.paths), struct)
+
+
+def _size_class(size: int) -> int:
+    """What a trace sees of a sequence length: 1 (a broadcast dimension) or not (-1)."""
+    return 1 if size == 1 else -1
+
+
+def _length_class(shape: torch.Size) -> tuple[int, ...]:
+    """A (B, H, L, E) shape with its length classed: one trace serves every length of the class."""
+    return (shape[0], shape[1], _size_class(shape[2]), shape[3])
+
+
+def _length_free(program: Program) -> bool:
+    """Whether a traced attention program holds for every length of its class: the body reads the
+    lengths only symbolically (`size`), so it does unless a captured tensor was broadcast against
+    the score by shape (its dimensions then are the query or key axes, and sized by them)."""
+    lengths = {program.input("q").dims[2], program.input("k").dims[2]} - {None}
+    return not any(lengths & set(b.dims) for b in program.inputs if b.name not in ("q", "k", "v"))
 
 
 def _trace_entry(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: _Request,
@@ -591,27 +624,29 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: _Request, e
         keyed = _keys(request)
         _check_grad(q, k, v, request, extras, keyed[1].tensors, keyed[1].paths)
     call = _resolve(q, k, v, request, extras, scale, groups, keyed, found)
-    compiled = _compiled_for(call, request.schedule)
-    result = compiled.launch(*call.args.values())
+    args = tuple(call.args.values())
+    run = _compiled_for(call, request.schedule).launcher_for(args)
+    result = run(args)
     entry = _programs.get(call.struct)
     if fast_key is not None and isinstance(entry, _Traced):  # not for entries keyed by tensor identity too
         assert keyed is not None
-        _remember(_fast, fast_key, _FastCall(request, keyed, compiled, call.program, scale, tuple(entry.sources),
-                                             checks=found is None), _MAX_COMPILED)
+        _remember(_fast, fast_key, _FastCall(request, keyed, run, scale, tuple(entry.sources), checks=found is None),
+                  _MAX_COMPILED)
     return result if isinstance(result, tuple) else (result,)
 
 
 class _FastCall:
-    """A repeated call's resolution: the mods' key, the compiled function, and where each captured
-    argument comes from (positions among the closure tensors, then the extras). An eager call's
-    key holds while `_unchanged(walk.reads)`; torch.compile's op passes its tensors explicitly."""
+    """A repeated call's resolution: the mods' key, the launcher, and where each captured argument
+    comes from (positions among the closure tensors, then the extras). The fast key fixes the
+    layout of q, k, v and the extras; an eager call's key holds while `_unchanged(walk.reads)`
+    (captured tensors: the same objects, with the same layout); torch.compile's op passes its
+    tensors explicitly and keys their layouts."""
 
-    def __init__(self, request: _Request, keyed: tuple[Any, _Walk], compiled: Compiled, program: Program,
+    def __init__(self, request: _Request, keyed: tuple[Any, _Walk], run: Callable[[Sequence[Any]], Any],
                  scale: float, sources: tuple[int, ...], checks: bool) -> None:
         self.request = request
         self.fns, self.walk = keyed
-        self.compiled = compiled
-        self.program = program  # what the compiled function traces for these shapes (it serves several)
+        self.run = run  # the compiled launcher for exactly these argument layouts
         self.scale = scale
         self.sources = sources
         self.checks = checks
@@ -625,12 +660,12 @@ class _FastCall:
         for pos in self.sources:
             t = found[pos]
             args.append(t if t.device == q.device else scalar_on_device(t, q.device))
-        self.compiled.program_def.pending = self.program  # type: ignore[attr-defined]
-        result = self.compiled.launch(*args)
+        result = self.run(args)
         return result if isinstance(result, tuple) else (result,)
 
 
 _fast: OrderedDict[Any, _FastCall] = OrderedDict()
+_plain_requests: OrderedDict[Any, _Request] = OrderedDict()  # see attention()
 
 
 # --------------------------------------------------------------------------- torch.compile
@@ -670,8 +705,7 @@ def _flex_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     """One fused attention kernel as a torch op: what torch.compile puts in its graph."""
     h = _handles[handle]
     groups = query.shape[1] // key.shape[1]
-    fast_key = ("op", handle, query.shape, key.shape, value.shape, query.dtype, scale,
-                tuple((t.shape, t.dtype) for t in captures))
+    fast_key = ("op", handle, scale, *map(tensor_layout, (query, key, value, *captures)))
     hit = _fast.get(fast_key)
     with private_state(in_cudagraph_tree()):  # in torch.compile's CUDA graphs no memory may outlive the call
         if hit is not None:
@@ -810,8 +844,8 @@ def _call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: _Request, 
     # the checks and the resolution that call passed; only what its mods read is checked again
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
         _check_inputs(q, k, v, request.score_mod, scale, request.enable_gqa)  # raises the TypeError
-    fast_key = (id(request.score_mod), id(request.mask_mod), request[2:], q.shape, k.shape, v.shape, q.dtype,
-                k.dtype, v.dtype, q.device, k.device, v.device, scale, tuple((t.shape, t.dtype, t.device) for t in extras))
+    fast_key = (id(request.score_mod), id(request.mask_mod), request[2:], scale, tensor_layout(q), tensor_layout(k),
+                tensor_layout(v), *map(tensor_layout, extras))
     hit = _fast.get(fast_key)
     if hit is not None and hit.valid(request):
         _check_grad(q, k, v, request, extras, hit.walk.tensors, hit.walk.paths)
@@ -857,9 +891,19 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score
         >>> q = k = v = torch.randn(1, 8, 16, 16)
         >>> out = nf.attention(q, k, v, score_mod=alibi, mask_mod=causal)   # doctest: +SKIP
     """
-    outputs = _outputs_of(return_lse, return_aux)
-    request, extras = _request(query, key, score_mod, block_mask, mask_mod, enable_gqa, outputs,
-                               _schedule_from(kernel_options, schedule))
+    plain = block_mask is None and kernel_options is None and return_aux is None
+    # a call with only functions and flags: its request is kept (holding the objects it is keyed by id on)
+    request = _plain_requests.get((id(score_mod), id(mask_mod), enable_gqa, return_lse, id(schedule))) if plain else None
+    if request is not None:
+        extras: tuple[torch.Tensor, ...] = ()
+        outputs = request.outputs
+    else:
+        outputs = _outputs_of(return_lse, return_aux)
+        request, extras = _request(query, key, score_mod, block_mask, mask_mod, enable_gqa, outputs,
+                                   _schedule_from(kernel_options, schedule))
+        if plain and request.builtins.block is None and request.mask_mod is mask_mod:
+            _remember(_plain_requests, (id(score_mod), id(mask_mod), enable_gqa, return_lse, id(schedule)), request,
+                      _MAX_PROGRAMS)
     out, *stats = _call(query, key, value, request, extras, scale)
     if return_aux is not None:
         lse = stats.pop(0) if outputs.lse else None

@@ -10,6 +10,7 @@ Example:
 
 from __future__ import annotations
 
+import builtins
 import functools
 import hashlib
 import importlib.util
@@ -20,7 +21,7 @@ import sys
 import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -427,7 +428,7 @@ class Compiled:
         self.allow_fallback = allow_fallback
         self._cache: dict[tuple[Any, ...], Executable] = {}
         self._scratch: dict[tuple[Any, ...], dict[str, torch.Tensor]] = {}
-        self._launchers: dict[tuple[Any, ...], Callable[[list[Any]], Any]] = {}
+        self._launchers: dict[tuple[Any, ...], Callable[[Sequence[Any]], Any]] = {}
         params = self.program_def.signature.parameters.values()
         self._names = [p.name for p in params]
         plain = all(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty for p in params)
@@ -617,6 +618,11 @@ class Compiled:
     def _launch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if kwargs or len(args) != self._arity:
             args = tuple(v for _, v in self.program_def.bind(*args, **kwargs))
+        return self.launcher_for(args)(args)
+
+    def launcher_for(self, args: Sequence[Any]) -> Callable[[Sequence[Any]], Any]:
+        """The per-call function for positional arguments like `args` (compiled at the first call
+        with their shapes, dtypes, strides and alignment): `launcher_for(args)(args)` runs it."""
         key = tuple(map(_arg_key, args))
         run = self._launchers.get(key)
         if run is None:
@@ -624,9 +630,9 @@ class Compiled:
             self._launchers[key] = run
             if len(self._launchers) > MAX_LAUNCHERS:  # oldest first: a decode loop never returns to a length
                 del self._launchers[next(iter(self._launchers))]
-        return run(args)
+        return run
 
-    def _prepare(self, named: dict[str, Any]) -> Callable[[list[Any]], Any]:
+    def _prepare(self, named: dict[str, Any]) -> Callable[[Sequence[Any]], Any]:
         """Trace, check, compile, and build the launcher for arguments like `named`."""
         program = self.program_def.trace(**named)
         order = list(named)
@@ -647,7 +653,10 @@ class Compiled:
         return self._launcher(exe, program, named, order)
 
     def _launcher(self, exe: Executable, program: Program, example: dict[str, Any],
-                  order: list[str]) -> Callable[[list[Any]], Any]:
+                  order: list[str]) -> Callable[[Sequence[Any]], Any]:
+        """The per-call function for arguments like `example`: everything that does not change from
+        call to call (sizes, strides, grids, constexprs, where each kernel argument comes from) is
+        resolved here once; a call allocates its outputs and launches."""
         sizes = axis_extents(exe.main.program, example)
         device = example[program.inputs[0].name].device
         out_dtype = next(example[b.name].dtype for b in program.inputs if example[b.name].is_floating_point())
@@ -656,7 +665,10 @@ class Compiled:
         out_shapes = {spec.stage: [sizes[a] for a in fused.stage(spec.stage).axes] for spec in fused.outputs}
         # an output whose value is cast to a float dtype (`x.to(torch.float32)`) is stored in it
         out_dtypes = {name: _declared_dtype(fused.stage(name).body, out_dtype) for name in out_shapes}
-        views = [(spec.stage, [sizes[d] if d else 1 for d in (spec.view or spec.dims)]) for spec in fused.outputs]
+        # each output is allocated in the shape it is returned in: a reshape of the contiguous shape the
+        # kernel indexes, so the kernel's strides hold for it and a call makes no views
+        returned = [(spec.stage, [sizes[d] if d else 1 for d in (spec.view or spec.dims)]) for spec in fused.outputs]
+        alloc_shape = {name: next(shape for stage, shape in returned if stage == name) for name in out_shapes}
         # split-K partial states and arrival counters: (shape, dtype) here, the tensors per call or kept
         scratch: dict[str, tuple[list[int], torch.dtype]] = {}
         if exe.plan.splits > 1:
@@ -667,18 +679,24 @@ class Compiled:
             scratch[COUNTER] = ([counters], torch.int32)
         # keyed by the buffers' shapes: calls that differ only in the length of the split axis share them
         scratch_key = (tuple((n, tuple(shape)) for n, (shape, _) in scratch.items()), str(device), fused.fingerprint())
-        position = {name: i for i, name in enumerate(order)}
-        csizes = dict(sizes)
-        csizes[SPLIT_AXIS] = exe.plan.splits
-        kernels = [exe.main] if exe.combine is None else [exe.main, exe.combine]
         extras: dict[str, torch.Tensor] = {}
         if exe.masks is not None:
             extras = block_map(fused, exe.masks, roles, sizes, example, exe.plan.block_row, exe.plan.block_col)
-        plans = [self._arg_plan(k, csizes, position, scratch, example, out_shapes, extras) for k in kernels]
-
-        launchers = [_FastLaunch(*plan) for plan in plans]
+        # a call's slots: its arguments, then the outputs, the scratch buffers and the block map
+        slot = {name: i for i, name in enumerate(order)}
+        for group in (out_shapes, scratch, extras):
+            slot.update({name: len(slot) + i for i, name in enumerate(group)})
+        csizes = dict(sizes)
+        csizes[SPLIT_AXIS] = exe.plan.splits
+        kernels = [exe.main] if exe.combine is None else [exe.main, exe.combine]
+        launchers = [_FastLaunch(*self._arg_plan(k, csizes, slot, scratch, example, out_shapes, extras))
+                     for k in kernels]
+        allocs = [(alloc_shape[name], out_dtypes[name]) for name in out_shapes]
+        results = [(slot[stage], None if shape == alloc_shape[stage] else shape) for stage, shape in returned]
+        single = results[0][0] if len(results) == 1 and results[0][1] is None else None
         masks = exe.masks
         map_key = (fused.fingerprint(), tuple(sorted(sizes.items())), exe.plan.block_row, exe.plan.block_col)
+        guard_device = device.index if device.type == "cuda" else None
 
         @functools.cache
         def kept_scratch() -> dict[str, torch.Tensor]:  # allocated at the first call that may keep it
@@ -686,50 +704,47 @@ class Compiled:
                 self._scratch[scratch_key] = _fresh_scratch(scratch, device)
             return self._scratch[scratch_key]
 
-        def run(values: list[Any]) -> Any:
-            outputs = {name: torch.empty(shape, dtype=out_dtypes[name], device=device)
-                       for name, shape in out_shapes.items()}
+        def run(values: Sequence[Any]) -> Any:
+            slots = [*values, *(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in allocs)]
             if scratch:  # per call where no state may outlive it (private_state), else kept
-                outputs.update(_fresh_scratch(scratch, device) if CALL_STATE.private else kept_scratch())
+                slots.extend((_fresh_scratch(scratch, device) if CALL_STATE.private else kept_scratch()).values())
             if masks is not None:
-                outputs.update(block_map(fused, masks, roles, sizes, dict(zip(order, values)), exe.plan.block_row,
-                                         exe.plan.block_col, map_key))
-            if device.type == "cuda" and torch.cuda.current_device() != device.index:
-                with torch.cuda.device(device.index):  # kernels run on the inputs' GPU, not the current one
+                slots.extend(block_map(fused, masks, roles, sizes, dict(zip(order, values)), exe.plan.block_row,
+                                       exe.plan.block_col, map_key).values())
+            if guard_device is not None and torch._C._cuda_getDevice() != guard_device:
+                with torch.cuda.device(guard_device):  # kernels run on the inputs' GPU, not the current one
                     for launcher in launchers:
-                        launcher(values, outputs)
+                        launcher(slots)
             else:
                 for launcher in launchers:
-                    launcher(values, outputs)
-            results = [outputs[name].view(shape) for name, shape in views]
-            return results[0] if len(results) == 1 else tuple(results)
+                    launcher(slots)
+            if single is not None:
+                return slots[single]
+            out = [slots[i] if shape is None else slots[i].view(shape) for i, shape in results]
+            return out[0] if len(out) == 1 else tuple(out)
 
         return run
 
-    def _arg_plan(self, launch: KernelLaunch, sizes: dict[str, int], position: dict[str, int],
+    def _arg_plan(self, launch: KernelLaunch, sizes: dict[str, int], slot: dict[str, int],
                   scratch: dict[str, tuple[list[int], torch.dtype]], example: dict[str, Any], out_shapes: dict[str, list[int]],
                   extras: dict[str, torch.Tensor]) -> tuple[Any, ...]:
-        """How to build each kernel argument from the call's values (resolved once per shape)."""
+        """Where each kernel argument comes from: a slot of the call (tensors, parameters) or a value
+        fixed for the launcher (sizes, strides), resolved once per shape."""
         tile = launch.tile
-        getters: list[Callable[[list[Any], dict[str, torch.Tensor]], Any]] = []
-        dynamic: list[bool] = []
+        sources: list[tuple[bool, Any, bool]] = []  # (from a slot, slot index or the fixed value, a tensor)
         for arg in tile.args:
             kind, _, rest = arg.source.partition(":")
-            dynamic.append(kind in ("input", "param", "output", "scratch"))
-            if kind in ("input", "param") and rest in position:
-                getters.append(lambda v, o, i=position[rest]: v[i])
-            elif kind in ("input", "scratch") and rest in scratch:
-                getters.append(lambda v, o, n=rest: o[n])
-            elif kind == "input" and rest in extras:
-                getters.append(lambda v, o, n=rest: o[n])
+            if kind in ("input", "param", "scratch"):
+                if rest not in slot:
+                    raise ValueError(f"kernel argument {arg.name!r} reads {rest!r}, which this call does not have")
+                sources.append((True, slot[rest], arg.kind == "pointer"))
             elif kind == "output":
-                stage_name = rest.removeprefix("out_")
-                getters.append(lambda v, o, n=stage_name: o[n])
+                sources.append((True, slot[rest.removeprefix("out_")], True))
             elif kind == "size":
-                getters.append(lambda v, o, s=sizes[rest]: s)
+                sources.append((False, sizes[rest], False))
             elif kind == "stride":
                 buf, _, dim = rest.rpartition(":")
-                if buf in position:
+                if buf in example:
                     stride = example[buf].stride(int(dim))
                 elif buf in scratch:
                     stride = math.prod(scratch[buf][0][int(dim) + 1:])  # allocated contiguous
@@ -738,14 +753,14 @@ class Compiled:
                 else:
                     shape = out_shapes[buf[len("out_"):]]
                     stride = math.prod(shape[int(dim) + 1:])
-                getters.append(lambda v, o, s=stride: s)
+                sources.append((False, stride, False))
             else:
                 raise ValueError(f"unknown kernel argument source {arg.source!r}")
         env: dict[str, Any] = {f"size_{a}": s for a, s in sizes.items()}
         env.update(tile.constexprs)
         env["cdiv"] = lambda a, b: -(-a // b)
-        grid = tuple(int(eval(g, {"__builtins__": {}}, env)) for g in tile.grid)  # noqa: S307 - our own expressions
-        return (launch.fn, grid, getters, dict(tile.constexprs), tile.num_warps, tile.num_stages, dynamic,
+        grid = tuple(int(eval(_grid_code(g), {"__builtins__": {}}, env)) for g in tile.grid)  # noqa: S307 - ours
+        return (launch.fn, grid, sources, dict(tile.constexprs), tile.num_warps, tile.num_stages,
                 tile.grid_dependency == "dependent")
 
 
@@ -757,49 +772,88 @@ def _fresh_scratch(specs: dict[str, tuple[list[int], torch.dtype]], device: torc
 
 
 class _FastLaunch:
-    """Launch one kernel; after the first call, straight through Triton's compiled-kernel launcher.
+    """Launch one kernel; after the first call, straight through Triton's compiled launcher.
 
     Triton's `kernel[grid](...)` re-binds and re-specialises every argument on each call (tens of
     microseconds of Python). The launcher key (`_arg_key`) already fixes everything the
-    specialisation depends on, so later calls reuse the compiled kernel directly, and only the
-    arguments that change between calls (tensors) are looked up; sizes, strides, scratch buffers
-    and constexprs are fixed.
+    specialisation depends on, so later calls reuse the compiled kernel: the argument tuple is
+    built by one generated function from the call's slots and the fixed values (as Triton builds
+    its own binder), and, while no launch hook is installed and the kernel needs no global
+    scratch, it goes straight to the C launcher with the tensors' addresses: given a tensor, that
+    launcher asks the driver whether each pointer is a device pointer, about a microsecond per
+    argument, and the launcher key has already fixed every tensor's device.
     """
 
-    def __init__(self, fn: Any, grid: tuple[int, ...], getters: list[Callable[..., Any]],
-                 constexprs: dict[str, int], warps: int, stages: int, dynamic: list[bool],
-                 dependent_launch: bool = False) -> None:
-        self.fn, self.getters, self.constexprs = fn, getters, constexprs
+    def __init__(self, fn: Any, grid: tuple[int, ...], sources: list[tuple[bool, Any, bool]], constexprs: dict[str, int],
+                 warps: int, stages: int, dependent_launch: bool = False) -> None:
+        self.fn, self.constexprs = fn, constexprs
         # compiled with launch_pdl: every launch then carries the programmatic-dependent attribute
         self.options = {"launch_pdl": True} if dependent_launch else {}
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
+        self.empty = 0 in self.grid  # an empty axis: nothing to compute (CUDA refuses empty grids)
         self.warps, self.stages = warps, stages
         self.kernel: Any = None
-        self.static = [None if d else g([], {}) for g, d in zip(getters, dynamic)] + list(constexprs.values())
-        self.dynamic = [(i, g) for i, (g, d) in enumerate(zip(getters, dynamic)) if d]
+        self.direct: Any = None
+        self.n_args = len(sources)
+        fixed = tuple(value for from_slot, value, _ in sources if not from_slot) + tuple(constexprs.values())
+        parts, raw, j = [], [], 0
+        for from_slot, value, pointer in sources:
+            parts.append(f"s[{value}]" if from_slot else f"c[{j}]")
+            raw.append(f"s[{value}].data_ptr()" if pointer else parts[-1])
+            j += not from_slot
+        tail = [f"c[{j + i}]" for i in range(len(constexprs))]
+        self.bind: Callable[[list[Any]], tuple[Any, ...]] = _binder(", ".join(parts + tail))(fixed)
+        self.bind_addresses: Callable[[list[Any]], tuple[Any, ...]] = _binder(", ".join(raw + tail))(fixed)
 
-    def __call__(self, values: list[Any], outputs: dict[str, torch.Tensor]) -> None:
-        if 0 in self.grid:  # an empty axis: nothing to compute (CUDA refuses empty grids)
-            return
-        if self.kernel is None:
-            args = [g(values, outputs) for g in self.getters]
-            kernel = self.fn[self.grid](*args, **self.constexprs, num_warps=self.warps, num_stages=self.stages,
-                                        **self.options)
-            if not interpreter_mode() and hasattr(kernel, "run") and hasattr(kernel, "packed_metadata"):
-                self.kernel = kernel
-                self.device = torch.cuda.current_device()  # the caller made the inputs' GPU current
+    def __call__(self, slots: list[Any]) -> None:
+        if self.empty:
             return
         k = self.kernel
-        full = self.static.copy()
-        for i, g in self.dynamic:
-            full[i] = g(values, outputs)
-        # the raw stream handle, as Triton's own launcher gets it (torch.cuda.current_stream() costs ~7 us)
+        if k is None:
+            self._first(slots)
+            return
         stream = torch._C._cuda_getCurrentRawStream(self.device)
-        hooks = _knobs().runtime
-        enter = hooks.launch_enter_hook
-        meta = None if enter is None else k.launch_metadata(self.grid, stream, *full)
-        k.run(self.grid[0], self.grid[1], self.grid[2], stream, k.function, k.packed_metadata, meta, enter,
-              hooks.launch_exit_hook, *full)
+        runtime = _knobs().runtime
+        enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+        gx, gy, gz = self.grid
+        if self.direct is not None and not _hooked(enter) and not _hooked(leave):
+            self.direct(gx, gy, gz, stream, k.function, self.cooperative, self.pdl, None, None, k.packed_metadata,
+                        None, None, None, *self.bind_addresses(slots))
+            return
+        args = self.bind(slots)
+        meta = k.launch_metadata(self.grid, stream, *args)
+        k.run(gx, gy, gz, stream, k.function, k.packed_metadata, meta, enter, leave, *args)
+
+    def _first(self, slots: list[Any]) -> None:
+        """The first launch, through Triton's JIT (which compiles); then keep its compiled kernel."""
+        args = self.bind(slots)[:self.n_args]
+        kernel = self.fn[self.grid](*args, **self.constexprs, num_warps=self.warps, num_stages=self.stages,
+                                    **self.options)
+        if interpreter_mode() or not (hasattr(kernel, "run") and hasattr(kernel, "packed_metadata")):
+            return
+        self.kernel = kernel
+        self.device = torch.cuda.current_device()  # the caller made the inputs' GPU current
+        launcher = kernel.run
+        if getattr(launcher, "global_scratch_size", 1) == 0 and getattr(launcher, "profile_scratch_size", 1) == 0:
+            self.direct = launcher.launch
+            self.cooperative, self.pdl = launcher.launch_cooperative_grid, launcher.launch_pdl
+
+
+@functools.lru_cache(maxsize=1024)
+def _binder(parts: str) -> Callable[[tuple[Any, ...]], Callable[[list[Any]], tuple[Any, ...]]]:
+    """`make(c)`: the function `s -> (parts,)` reading the call's slots `s` and fixed values `c`
+    (generated once per argument pattern: launchers for new lengths share it)."""
+    return eval(f"lambda c: lambda s: ({parts},)", {"__builtins__": {}})  # noqa: S307 - indices only
+
+
+@functools.lru_cache(maxsize=1024)
+def _grid_code(expression: str) -> Any:
+    return builtins.compile(expression, "<grid>", "eval")  # this module's `compile` is nf.compile
+
+
+def _hooked(hook: Any) -> bool:
+    """Whether a Triton launch hook would do anything (a HookChain with no calls does nothing)."""
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 @functools.cache
