@@ -155,7 +155,7 @@ def compiled_checks() -> list[dict[str, Any]]:
                     row["ok"] = bool(row["graph_breaks"] == 0 and row["rel_err_vs_eager"] < 1e-3
                                      and row["rel_err_after_change"] < 1e-3 and row["rel_err_vs_fp32"] < 5e-3)
             except Exception as exc:  # noqa: BLE001 - a failure is the finding
-                row["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:4000]}"
                 row["ok"] = False
             print(row, flush=True)
             rows.append(row)
@@ -174,6 +174,8 @@ def compiled_checks() -> list[dict[str, Any]]:
 
 
 def main() -> None:
+    # a graph-pool failure then names where the tensor that outlived the graph was allocated
+    torch._inductor.config.triton.cudagraph_trees_history_recording = True
     warm_up_gpu()
     result = {"environment": environment(), "host": host_times()}
     for key, value in result["host"].items():

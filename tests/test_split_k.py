@@ -10,6 +10,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import neptune_fusion as nf  # noqa: E402
+from neptune_fusion.library import causal_attention  # noqa: E402
 from neptune_fusion.runtime.compiled import Compiled  # noqa: E402
 from neptune_fusion.schedule.pipeline import combine_program, fuse  # noqa: E402
 from neptune_fusion.transform.layout import group_divisor, pack_groups  # noqa: E402
@@ -282,3 +283,32 @@ def test_split_k_choice_fills_the_device_and_deepens_the_pipeline_when_it_fits()
     head_256 = plan(16, 16, 9001, d=256)
     assert head_256.num_stages == 2  # 3 stages x 64 KB x 2 programs do not fit
     assert plan(64, 8, 32768).num_stages == 3
+
+
+def test_a_kernel_too_large_for_shared_memory_is_planned_again_smaller(monkeypatch):
+    """Triton compiles at the first launch; a kernel that needs more shared memory than the device
+    has gets the same program with fewer pipeline stages (a warning says so), and the right result."""
+    from triton.runtime.errors import OutOfResources
+
+    from neptune_fusion.runtime import compiled as compiled_module
+
+    real = compiled_module._FastLaunch._first
+    tried = []
+
+    def first(self, slots):
+        tried.append(self.stages)
+        if self.stages > 1:
+            raise OutOfResources(262144, 232448, "shared memory")
+        return real(self, slots)
+
+    monkeypatch.setattr(compiled_module._FastLaunch, "_first", first)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 40, 16, generator=g) for _ in range(3))
+    fn = nf.compile(causal_attention, schedule=nf.flash(block_q=16, block_k=16, num_stages=3))
+    with pytest.warns(UserWarning, match="does not fit the device"):
+        out = fn(q, k, v, 0.25)
+    want = torch.softmax((q @ k.transpose(-1, -2) * 0.25).masked_fill(
+        torch.ones(40, 40, dtype=torch.bool).triu(1), float("-inf")), -1) @ v
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+    assert tried[:3] == [3, 2, 1]
+    torch.testing.assert_close(fn(q, k, v, 0.25), want, atol=2e-5, rtol=2e-5)  # the smaller plan is kept

@@ -891,7 +891,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score
         >>> q = k = v = torch.randn(1, 8, 16, 16)
         >>> out = nf.attention(q, k, v, score_mod=alibi, mask_mod=causal)   # doctest: +SKIP
     """
-    plain = block_mask is None and kernel_options is None and return_aux is None
+    # (torch.compile traces the general path: its op keys the request itself)
+    plain = block_mask is None and kernel_options is None and return_aux is None and not torch.compiler.is_compiling()
     # a call with only functions and flags: its request is kept (holding the objects it is keyed by id on)
     request = _plain_requests.get((id(score_mod), id(mask_mod), enable_gqa, return_lse, id(schedule))) if plain else None
     if request is not None:

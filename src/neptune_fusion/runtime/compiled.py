@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
+from triton.runtime.errors import OutOfResources
 
 from neptune_fusion.algebra.repair import contribution_vanishes
 from neptune_fusion.analysis.masks import MaskInfo, analyze_masks
@@ -650,7 +651,34 @@ class Compiled:
             self.fallback_reason = str(exc)
             dtype = next(named[b.name].dtype for b in program.inputs if named[b.name].is_floating_point())
             return lambda values: run_reference(program, dict(zip(order, values)), out_dtype=dtype)
-        return self._launcher(exe, program, named, order)
+        return self._fitting_launcher(exe, program, named, order)
+
+    def _fitting_launcher(self, exe: Executable, program: Program, example: dict[str, Any],
+                          order: list[str]) -> Callable[[Sequence[Any]], Any]:
+        """`_launcher`, falling back to a smaller plan when Triton, compiling a kernel at its first
+        launch, finds it needs more shared memory than the device has (the schedule's estimate
+        counts the pipelined tiles; the compiler's buffers can exceed it). Smaller means fewer
+        pipeline stages first, then narrower loop tiles; a plan that cannot shrink re-raises."""
+        current = [self._launcher(exe, program, example, order)]
+
+        def run(values: Sequence[Any]) -> Any:
+            try:
+                return current[0](values)
+            except OutOfResources as exc:
+                plan = exe.plan
+                if plan.num_stages > 1:
+                    smaller = replace(plan, num_stages=plan.num_stages - 1)
+                elif plan.block_col > 16:
+                    smaller = replace(plan, block_col=plan.block_col // 2)
+                else:
+                    raise
+                warnings.warn(f"neptune_fusion: {program.name!r} with {plan} does not fit the device ({exc}); "
+                              f"compiling {smaller} instead", stacklevel=2)
+                like = dict(zip(order, values))  # this call's arguments: the same layouts as the first
+                current[0] = self._fitting_launcher(self.executable_for(program, like, smaller), program, like, order)
+                return current[0](values)
+
+        return run
 
     def _launcher(self, exe: Executable, program: Program, example: dict[str, Any],
                   order: list[str]) -> Callable[[Sequence[Any]], Any]:
