@@ -39,6 +39,7 @@ from neptune_fusion.runtime.state import CALL_STATE
 from neptune_fusion.schedule.auto import Plan, choose
 from neptune_fusion.schedule.pipeline import SPLIT_AXIS, Step, combine_program, fuse, with_split_k
 from neptune_fusion.schedule.templates import Auto, Autotune, Flash, Schedule, SplitK
+from neptune_fusion.schedule.tiles import check_fits, choose_tiling
 from neptune_fusion.tile.ir import TileKernel
 from neptune_fusion.tile.lower import (
     BLOCK_MAP_PREFIX,
@@ -466,6 +467,10 @@ class Compiled:
                 # at 16k: 1868 us vs 2071 with 64; bench/results/run31/gluon_check.json)
                 plan = replace(plan, block_col=128)
         _check_offsets(fused, roles, args)
+        # how the axes the tile cannot hold whole are walked: across the grid or by inner loops
+        tiling = choose_tiling(fused, full_sizes, plan.block_row, plan.block_col,
+                               4 if main_dtype == "f32" else 2, plan.num_stages)
+        check_fits(tiling, fused, roles.row, plan.block_row, plan.num_warps)
         tma = all_tma = _tma_buffers(program, args, device, interpreter)
         if use_block_map and os.environ.get("NEPTUNE_FUSION_BLOCKMAP_TMA", "0") != "1":
             # tiles at run-time coordinates (from the block map) load faster through pointers than
@@ -483,15 +488,16 @@ class Compiled:
         # tile it measured slower at every length on the H200 (packed GQA 64/8 at 1k: 10.0 vs 13.1
         # us, 4k: 14.8 vs 17.2; MHA 32/32 at 1k: 14.8 vs 15.5; softcap 32/16 at 32k: 77.7 vs 80.4;
         # bench/results/run34/decode_profile.json). NEPTUNE_FUSION_FUSED_COMBINE=1 still selects it.
-        fused_combine = plan.splits > 1 and os.environ.get("NEPTUNE_FUSION_FUSED_COMBINE", "0") == "1"
+        fused_combine = (plan.splits > 1 and os.environ.get("NEPTUNE_FUSION_FUSED_COMBINE", "0") == "1"
+                         and not tiling.grid)  # its arrival counters are per (row tile, batch entry)
         combine_rows = min(16, 1 << max(0, (sizes[roles.row] - 1).bit_length()))
         # the next listed tile's index read an iteration early: 5-6% faster (document mask, run 16)
         prefetch_index = use_block_map and os.environ.get("NEPTUNE_FUSION_PREFETCH_INDEX", "1") == "1"
         # the separate combine launches while the main kernel runs and waits for its writes itself
         dependent_launch = (plan.splits > 1 and not fused_combine and not interpreter
                             and _supports_dependent_launch(device) and os.environ.get("NEPTUNE_FUSION_PDL", "1") == "1")
-        grid_group = _grid_group(math.ceil(sizes[roles.row] / plan.block_row), batch, plan.splits, _num_sms(device),
-                                 use_block_map, device)
+        grid_group = None if tiling.grid else _grid_group(
+            math.ceil(sizes[roles.row] / plan.block_row), batch, plan.splits, _num_sms(device), use_block_map, device)
         key = (program.fingerprint(), tuple(sorted(dtypes.items())), tuple(sorted(full_sizes.items())), plan,
                layout, interpreter, str(device), tma, os.environ.get("NEPTUNE_FUSION_WS", "0"), positive,
                fused_combine, combine_rows, prefetch_index, grid_group, dependent_launch,
@@ -516,7 +522,7 @@ class Compiled:
                                 plan.num_stages, plan.splits, dot_dtype, partial_outputs=plan.splits > 1,
                                 block_map_axes=block_axes, tma_buffers=tma, positive_params=positive,
                                 warp_specialize=os.environ.get("NEPTUNE_FUSION_WS", "0") == "1" and not interpreter,
-                                grid_group=grid_group)
+                                grid_group=grid_group, tiling=tiling)
         target = "interpreter" if interpreter else "cuda"
         name = kernel_name(program.name)
         combine = None
@@ -555,7 +561,8 @@ class Compiled:
             tile = lower(fused, config, name)
             if prefetch_index:
                 tile = prefetch_scalar_loads(tile)
-            tile = prefetch_first_dot(tile) if plan.prefetch_dot else tile
+            # the rewrite moves a top-level loop's first dot; one inside an inner (K-)loop stays put
+            tile = prefetch_first_dot(tile) if plan.prefetch_dot and not tiling.loops else tile
             if dependent_launch:
                 tile.grid_dependency = "primary"
             return tile

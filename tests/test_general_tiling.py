@@ -1,0 +1,180 @@
+"""The tile layer beyond attention's shape, under the interpreter, each against the reference executor.
+
+Axes too long to hold whole are tiled across the grid (a matmul's output axis) or walked by an
+inner loop (a long contraction); a reduction to a single value lowers with a row axis of extent
+1 and split-K; a program whose reductions cannot share one loop runs as several kernels. None of
+the programs is known to the compiler by name.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import neptune_fusion as nf  # noqa: E402
+from neptune_fusion.runtime.compiled import Compiled  # noqa: E402
+from neptune_fusion.schedule.pipeline import fuse  # noqa: E402
+from neptune_fusion.schedule.tiles import MAX_WHOLE, choose_tiling  # noqa: E402
+from neptune_fusion.tile.lower import assign_roles  # noqa: E402
+from neptune_fusion.transform.layout import UNIT_ROW, needs_unit_row, with_unit_row  # noqa: E402
+
+TOL = {torch.float32: 2e-4, torch.float16: 2e-2}
+
+
+@nf.program
+def rmsnorm_matmul(x, w):
+    r = nf.sqrt((x * x).sum(axis=-1, keepdims=True) / x.shape[-1] + 1e-6)
+    return nf.einsum("ik,ke->ie", x / r, w)
+
+
+@nf.program
+def layernorm_matmul(x, w):
+    mean = x.sum(axis=-1, keepdims=True) / x.shape[-1]
+    var = ((x - mean) * (x - mean)).sum(axis=-1, keepdims=True) / x.shape[-1]
+    return nf.einsum("ik,ke->ie", (x - mean) / nf.sqrt(var + 1e-5), w)
+
+
+@nf.program
+def linear_logsumexp(h, w):
+    s = nf.einsum("id,vd->iv", h, w)
+    m = s.max(axis=-1, keepdims=True)
+    return (m + nf.log(nf.exp(s - m).sum(axis=-1, keepdims=True)))[..., 0]
+
+
+@nf.program
+def linear_cross_entropy(h, w, target):
+    s = nf.einsum("id,vd->iv", h, w)
+    m = s.max(axis=-1, keepdims=True)
+    lse = (m + nf.log(nf.exp(s - m).sum(axis=-1, keepdims=True)))[..., 0]
+    return lse - s[nf.index(lse, 0), target]
+
+
+@nf.program
+def softmax_1d(x):
+    e = nf.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+@nf.program
+def logsumexp_rows(x):
+    m = x.max(axis=-1, keepdims=True)
+    return (m + nf.log(nf.exp(x - m).sum(axis=-1, keepdims=True)))[..., 0]
+
+
+@nf.program
+def attention(q, k, v, scale):
+    s = nf.einsum("bhqd,bhkd->bhqk", q, k) * scale
+    p = nf.exp(s - s.max(axis=-1, keepdims=True))
+    return nf.einsum("bhqk,bhkd->bhqd", p, v) / p.sum(axis=-1, keepdims=True)
+
+
+def _check(prog, args: tuple, dtype: torch.dtype = torch.float32, **kwargs) -> Compiled:
+    """Compile and run `prog`, compare with the reference executor on the fp32 inputs."""
+    fn = nf.compile(prog, **kwargs)
+    cast = tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+    out = fn(*cast)
+    traced = prog.trace(*args)
+    ref = nf.run_reference(traced, dict(prog.bind(*args)))
+    outs, refs = (out, ref) if isinstance(out, tuple) else ((out,), (ref,))
+    for o, r in zip(outs, refs):
+        assert o.shape == r.shape
+        torch.testing.assert_close(o.float(), r.float(), rtol=TOL[dtype], atol=TOL[dtype])
+    return fn
+
+
+def _kernels(fn: Compiled) -> list:
+    exe = next(iter(fn._cache.values()))
+    return [k for k in (exe.main, exe.combine) if k is not None]
+
+
+def test_tiling_decisions_come_from_sizes_and_uses(randn):
+    """Short axes stay whole (attention unchanged); a long output axis is tiled across the grid; a
+    long contraction gets an inner loop."""
+    fused = fuse(attention.trace(randn(1, 2, 64, 64), randn(1, 2, 64, 64), randn(1, 2, 64, 64), 0.1))[-1].program
+    whole = choose_tiling(fused, {"d": 128, "d2": 128}, 64, 64)
+    assert not whole.tiled and whole.block("d") == 128
+    tiled = choose_tiling(fused, {"d": 2048, "d2": 4096}, 128, 64)
+    assert tiled.loops == ("d",) and tiled.grid == ("d2",)
+    assert tiled.block("d") <= 64 and tiled.block("d2") <= 128
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("prog", [rmsnorm_matmul, layernorm_matmul], ids=["rmsnorm", "layernorm"])
+def test_norm_then_matmul_with_long_axes(prog, dtype, randn):
+    """(x normalised over k) @ W with k and the output axis e both above 512: e across the grid."""
+    fn = _check(prog, (randn(16, 576), randn(576, 640, scale=0.05)), dtype)
+    main = _kernels(fn)[0].tile
+    assert main.tiled_axes == ("e",)
+    assert any("tiled across the grid" in n for n in main.notes)
+
+
+def test_norm_then_matmul_one_pass(randn):
+    """The same with the flash template (no split-K): the grid tiles rows and e."""
+    fn = _check(rmsnorm_matmul, (randn(40, 600), randn(600, 700, scale=0.05)), schedule=nf.flash())
+    exe = next(iter(fn._cache.values()))
+    assert exe.combine is None and exe.main.tile.tiled_axes == ("e",)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_linear_logsumexp_with_long_model_dim(dtype, randn):
+    """logsumexp_v(H W^T): each score tile is an inner loop over d (640) inside the loop over v."""
+    fn = _check(linear_logsumexp, (randn(8, 640, scale=0.2), randn(1100, 640, scale=0.2)), dtype)
+    source = _kernels(fn)[0].source
+    assert "inner loop over 'd'" in source
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_linear_cross_entropy_gathered_target(dtype, randn, randint):
+    """lse - logit[target]: the target's logit is an inner loop over d beside the loop over v."""
+    fn = _check(linear_cross_entropy,
+                (randn(8, 640, scale=0.2), randn(1100, 640, scale=0.2), randint(0, 1100, 8)), dtype)
+    assert all(k.tile.tiled_axes == ("d",) for k in _kernels(fn))
+
+
+def test_softmax_over_one_row_of_100k(randn):
+    """A softmax whose max and sum are single values: a row axis of extent 1 and split-K."""
+    x = randn(100_000, scale=3.0)
+    fn = nf.compile(softmax_1d)
+    torch.testing.assert_close(fn(x), torch.softmax(x, -1), rtol=1e-4, atol=1e-8)
+    exe = next(iter(fn._cache.values()))
+    assert exe.plan.splits > 1
+    assert UNIT_ROW in exe.main.program.derived_axes
+
+
+def test_logsumexp_of_one_row_of_100k(randn):
+    x = randn(1, 100_000, scale=3.0)
+    torch.testing.assert_close(nf.compile(logsumexp_rows)(x), torch.logsumexp(x, -1), rtol=1e-5, atol=1e-5)
+
+
+def test_unit_row_translation_validation(randn):
+    x = randn(300)
+    fused = fuse(softmax_1d.trace(x))[-2].program
+    assert needs_unit_row(fused)
+    with_row = with_unit_row(fused)
+    assert assign_roles(with_row).row == UNIT_ROW
+    torch.testing.assert_close(nf.run_reference(with_row, {"x": x}), nf.run_reference(fused, {"x": x}))
+
+
+def test_attention_with_a_long_head_dim(randn):
+    """Attention with head dims above 512: the scores' contraction over d is an inner loop and the
+    output's e axis is tiled across the grid (the softmax recomputed per tile of e)."""
+    q, k, v = randn(1, 1, 20, 600, scale=0.1), randn(1, 1, 50, 600, scale=0.1), randn(1, 1, 50, 520)
+    fn = _check(attention, (q, k, v, 0.05), schedule=nf.flash())
+    assert set(_kernels(fn)[0].tile.tiled_axes) == {"d", "d2"}
+
+
+def test_an_axis_both_reduced_and_stored_is_refused(randn):
+    @nf.program
+    def lse_and_scaled(h, w):
+        s = nf.einsum("id,vd->iv", h, w)
+        m = s.max(axis=-1, keepdims=True)
+        lse = m + nf.log(nf.exp(s - m).sum(axis=-1, keepdims=True))
+        return h * lse
+
+    with pytest.raises(nf.FusionError, match=r"\[tile planning\].*'d'.*both reduced"):
+        nf.compile(lse_and_scaled)(randn(8, MAX_WHOLE + 8), randn(40, MAX_WHOLE + 8))
+
