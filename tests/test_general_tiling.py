@@ -17,6 +17,7 @@ import torch  # noqa: E402
 
 import neptune_fusion as nf  # noqa: E402
 from neptune_fusion.runtime.compiled import Compiled  # noqa: E402
+from neptune_fusion.schedule.partition import partition, why_apart  # noqa: E402
 from neptune_fusion.schedule.pipeline import fuse  # noqa: E402
 from neptune_fusion.schedule.tiles import MAX_WHOLE, choose_tiling  # noqa: E402
 from neptune_fusion.tile.lower import assign_roles  # noqa: E402
@@ -63,6 +64,19 @@ def softmax_1d(x):
 def logsumexp_rows(x):
     m = x.max(axis=-1, keepdims=True)
     return (m + nf.log(nf.exp(x - m).sum(axis=-1, keepdims=True)))[..., 0]
+
+
+@nf.program
+def softmax_then_column_sum(x):
+    e = nf.exp(x - x.max(axis=-1, keepdims=True))
+    return (e / e.sum(axis=-1, keepdims=True)).sum(axis=0)
+
+
+@nf.program
+def column_normalised_softmax(x):
+    y = x / (x * x).sum(axis=0, keepdims=True)
+    e = nf.exp(y - y.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
 
 
 @nf.program
@@ -159,6 +173,36 @@ def test_unit_row_translation_validation(randn):
     torch.testing.assert_close(nf.run_reference(with_row, {"x": x}), nf.run_reference(fused, {"x": x}))
 
 
+def _run_groups(groups, args: dict) -> list:
+    """The groups run one after the other by the reference executor."""
+    known = dict(args)
+    for group in groups:
+        names = [b.name for b in group.program.inputs] + list(group.program.params)
+        out = nf.run_reference(group.program, {n: known[n] for n in names})
+        known.update(zip(group.results, out if isinstance(out, tuple) else (out,)))
+    return [known[f"output:{j}"] for j in range(sum(r.startswith("output:") for g in groups for r in g.results))]
+
+
+@pytest.mark.parametrize("prog", [softmax_then_column_sum, column_normalised_softmax], ids=["after", "before"])
+def test_partition_translation_validation(prog, randn):
+    x = randn(24, 40)
+    program = prog.trace(x)
+    assert why_apart(program) is not None
+    groups = partition(program)
+    assert len(groups) == 2
+    torch.testing.assert_close(_run_groups(groups, {"x": x})[0], nf.run_reference(program, {"x": x}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("prog", [softmax_then_column_sum, column_normalised_softmax], ids=["after", "before"])
+def test_program_that_needs_two_kernels(prog, dtype, randn):
+    """A reduction over the rows the main loop tiles across programs: two kernels run in order,
+    the reductions between them materialised in fp32."""
+    fn = _check(prog, (randn(40, 70, scale=2.0),), dtype)
+    exe = next(e for e in fn._cache.values() if e.groups)
+    assert len(exe.groups) == 2
+
+
 def test_attention_with_a_long_head_dim(randn):
     """Attention with head dims above 512: the scores' contraction over d is an inner loop and the
     output's e axis is tiled across the grid (the softmax recomputed per tile of e)."""
@@ -178,3 +222,7 @@ def test_an_axis_both_reduced_and_stored_is_refused(randn):
     with pytest.raises(nf.FusionError, match=r"\[tile planning\].*'d'.*both reduced"):
         nf.compile(lse_and_scaled)(randn(8, MAX_WHOLE + 8), randn(40, MAX_WHOLE + 8))
 
+
+def test_explain_prints_every_kernel_of_a_partitioned_program(randn):
+    text = nf.explain(softmax_then_column_sum, randn(12, 20))
+    assert "kernel 2 of 2" in text and "inner loop" not in text

@@ -37,6 +37,7 @@ from neptune_fusion.runtime.blockmap import block_map, block_map_axes
 from neptune_fusion.runtime.reference import axis_extents, run_reference
 from neptune_fusion.runtime.state import CALL_STATE
 from neptune_fusion.schedule.auto import Plan, choose
+from neptune_fusion.schedule.partition import Group, partition
 from neptune_fusion.schedule.pipeline import SPLIT_AXIS, Step, combine_program, fuse, with_split_k
 from neptune_fusion.schedule.templates import Auto, Autotune, Flash, Schedule, SplitK
 from neptune_fusion.schedule.tiles import check_fits, choose_tiling
@@ -120,6 +121,9 @@ class Executable:
     combine_steps: list[Step] = field(default_factory=list)
     masks: MaskInfo | None = None  # set when tiles are visited from a run-time block map
     combine_tile: TileKernel | None = None  # split-K combine (its own launch, or called by the main kernel)
+    # a program that needs several kernels: each group's program and executable, run in order
+    # (main, combine, ... are the first group's)
+    groups: tuple[tuple[Group, Executable], ...] = ()
 
 
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
@@ -180,6 +184,17 @@ def _fuse_cached(program: Program, splits: int) -> tuple[Step, ...]:
     if key not in _FUSED:
         _FUSED[key] = tuple(with_split_k(_fuse_cached(program, 1), splits) if splits > 1 else fuse(program))
     return _FUSED[key]
+
+
+_PARTS: dict[str, list[Group]] = {}
+
+
+def _partition_cached(program: Program) -> list[Group]:
+    """`partition(program)`, cached by fingerprint (like `_fuse_cached`)."""
+    key = program.fingerprint()
+    if key not in _PARTS:
+        _PARTS[key] = partition(program)
+    return _PARTS[key]
 
 
 _MASKS: dict[tuple[str, str], MaskInfo] = {}
@@ -440,6 +455,9 @@ class Compiled:
         """Compile (or fetch from cache) the kernels for these arguments (`plan` overrides the schedule)."""
         interpreter = interpreter_mode()
         device = _check_tensors(program, args, interpreter)
+        groups = _partition_cached(program)
+        if len(groups) > 1:
+            return self._grouped(program, groups, args, device)
         dtypes = {b.name: input_dtype_name(args[b.name].dtype) for b in program.inputs}
         main_dtype = next(dtypes[b.name] for b in program.inputs if args[b.name].is_floating_point())
         fused = _fuse_cached(program, 1)[-1].program
@@ -601,6 +619,55 @@ class Compiled:
         self._cache[key] = exe
         return exe
 
+    def _grouped(self, program: Program, groups: list[Group], args: dict[str, Any],
+                 device: torch.device) -> Executable:
+        """One executable per group (schedule/partition.py), each compiled for example arguments:
+        the call's own, and for the reductions one group writes for the next, contiguous fp32
+        tensors of their shapes (what the launcher allocates for them)."""
+        key = ("groups", program.fingerprint(), tuple((n, _arg_key(v)) for n, v in sorted(args.items())))
+        if key in self._cache:
+            return self._cache[key]
+        sizes = axis_extents(program, args)
+        env = dict(args)
+        parts: list[tuple[Group, Executable]] = []
+        steps: list[Step] = []
+        for k, group in enumerate(groups):
+            exe = self.executable_for(group.program, {n: env[n] for n in _arg_names(group.program)})
+            parts.append((group, exe))
+            steps += [Step(f"kernel {k + 1} of {len(groups)}: {s.name}", s.program) for s in exe.steps]
+            env.update(_materialised(program, group, sizes, device))
+        first = parts[0][1]
+        self._cache[key] = Executable(steps, first.plan, first.main, first.combine, first.combine_steps,
+                                      first.masks, first.combine_tile, tuple(parts))
+        return self._cache[key]
+
+    def _grouped_launcher(self, exe: Executable, program: Program, example: dict[str, Any],
+                          order: list[str]) -> Callable[[list[Any]], Any]:
+        """Run the groups' kernels in order; each group's materialised reductions are inputs of
+        the later ones."""
+        env = dict(example)
+        sizes = axis_extents(program, example)
+        device = example[program.inputs[0].name].device
+        runs = []
+        for group, part in exe.groups:
+            names = _arg_names(group.program)
+            runs.append((names, self._launcher(part, group.program, {n: env[n] for n in names}, names), group.results))
+            env.update(_materialised(program, group, sizes, device))
+        # a group that reads only materialised (fp32) values would return fp32: outputs keep the
+        # dtypes the whole program gives them
+        out_dtype = next(example[b.name].dtype for b in program.inputs if example[b.name].is_floating_point())
+        dtypes = [_declared_dtype(program.stage(o.stage).body, out_dtype) for o in program.outputs]
+
+        def run(values: list[Any]) -> Any:
+            known = dict(zip(order, values))
+            for names, launch, results in runs:
+                out = launch([known[n] for n in names])
+                known.update(zip(results, out if isinstance(out, tuple) else (out,)))
+            outs = [known[f"output:{j}"].to(dtype) for j, dtype in enumerate(dtypes)]
+            return outs[0] if len(outs) == 1 else tuple(outs)
+
+        return run
+
     # --- run ----------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if IN_GRAPH is not None and torch.compiler.is_compiling():
@@ -655,6 +722,8 @@ class Compiled:
 
     def _launcher(self, exe: Executable, program: Program, example: dict[str, Any],
                   order: list[str]) -> Callable[[list[Any]], Any]:
+        if exe.groups:  # several kernels, run in order
+            return self._grouped_launcher(exe, program, example, order)
         sizes = axis_extents(exe.main.program, example)
         device = example[program.inputs[0].name].device
         out_dtype = next(example[b.name].dtype for b in program.inputs if example[b.name].is_floating_point())
@@ -754,6 +823,18 @@ class Compiled:
         grid = tuple(int(eval(g, {"__builtins__": {}}, env)) for g in tile.grid)  # noqa: S307 - our own expressions
         return (launch.fn, grid, getters, dict(tile.constexprs), tile.num_warps, tile.num_stages, dynamic,
                 tile.grid_dependency == "dependent")
+
+
+def _arg_names(program: Program) -> list[str]:
+    """A group program's arguments, by name: its inputs, then its scalar parameters."""
+    return [b.name for b in program.inputs] + list(program.params)
+
+
+def _materialised(program: Program, group: Group, sizes: dict[str, int], device: torch.device) -> dict[str, torch.Tensor]:
+    """Tensors of the shapes and dtype (fp32, contiguous) of the reductions `group` writes for the
+    groups after it: example arguments for compiling those."""
+    return {r: torch.empty([sizes[a] for a in program.stage(r).axes], dtype=torch.float32, device=device)
+            for r in group.results if not r.startswith("output:")}
 
 
 def _fresh_scratch(specs: dict[str, tuple[list[int], torch.dtype]], device: torch.device) -> dict[str, torch.Tensor]:
