@@ -203,6 +203,20 @@ def test_program_that_needs_two_kernels(prog, dtype, randn):
     assert len(exe.groups) == 2
 
 
+def test_a_reduction_over_a_held_axis_stays_in_the_kernel(randn):
+    """Summing attention's output over its head dim needs no second kernel: the head dim is held
+    whole in each program's tile."""
+
+    @nf.program
+    def attention_row_sums(q, k, v, scale):
+        return attention.fn(q, k, v, scale).sum(axis=-1)
+
+    q, k, v = randn(1, 2, 40, 32), randn(1, 2, 50, 32), randn(1, 2, 50, 16)
+    assert why_apart(attention_row_sums.trace(q, k, v, 0.3)) is None
+    fn = _check(attention_row_sums, (q, k, v, 0.3))
+    assert not any(exe.groups for exe in fn._cache.values())
+
+
 def test_attention_with_a_long_head_dim(randn):
     """Attention with head dims above 512: the scores' contraction over d is an inner loop and the
     output's e axis is tiled across the grid (the softmax recomputed per tile of e)."""

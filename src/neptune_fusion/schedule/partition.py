@@ -1,7 +1,7 @@
 """Partitioning a program into groups that each fuse into one kernel (Program -> Programs).
 
 A kernel runs one fused loop over the axis of the program's main reduction chain and tiles the
-other axes of that chain's reductions (its rows, its batch) across programs. A reduction over one
+axes of that chain's smallest reduction (its rows, its batch) across programs. A reduction over one
 of those axes combines values that different programs compute, so it cannot sit in that kernel:
 `z = softmax(x, axis=-1).sum(axis=0)` needs every row's max and sum finished before it sums over
 rows. Such a reduction goes to a group of its own, before the main chain when the chain reads it
@@ -45,7 +45,9 @@ def _apart(program: Program) -> tuple[set[str], str] | None:
     if axis is None:
         return None
     chain = [st for st in _reductions(program) if st.reduce_axis == axis]
-    tiled = {a for st in chain for a in st.axes}
+    # the axes of the chain's smallest reduction are its rows and batch, tiled across programs; the
+    # others of its reductions (a head dim) are held in each program's tile (tile/lower.py `assign_roles`)
+    tiled = set(min(chain, key=lambda st: len(st.axes)).axes)
     across = [st.name for st in _reductions(program) if st.reduce_axis != axis and st.reduce_axis in tiled]
     if not across:
         return None
