@@ -40,7 +40,7 @@ from neptune_fusion.schedule.auto import Plan, choose
 from neptune_fusion.schedule.partition import Group, partition
 from neptune_fusion.schedule.pipeline import SPLIT_AXIS, Step, combine_program, fuse, with_split_k
 from neptune_fusion.schedule.templates import Auto, Autotune, Flash, Schedule, SplitK
-from neptune_fusion.schedule.tiles import check_fits, choose_tiling
+from neptune_fusion.schedule.tiles import check_fits, choose_tiling, grid_tiles
 from neptune_fusion.tile.ir import TileKernel
 from neptune_fusion.tile.lower import (
     BLOCK_MAP_PREFIX,
@@ -470,9 +470,17 @@ class Compiled:
         use_block_map = masks.residual
         given_plan = plan is not None
         if plan is None:
-            plan = choose(self.schedule, rows=sizes[roles.row], cols=sizes[roles.col], batch=batch,
-                          full_sizes=full_sizes, dtype=main_dtype, num_sms=_num_sms(device), interpreter=interpreter,
-                          block_mapped=use_block_map)
+            def plan_for(programs_per_row_tile: int) -> Plan:
+                return choose(self.schedule, rows=sizes[roles.row], cols=sizes[roles.col],
+                              batch=batch * programs_per_row_tile, full_sizes=full_sizes, dtype=main_dtype,
+                              num_sms=_num_sms(device), interpreter=interpreter, block_mapped=use_block_map)
+
+            plan = plan_for(1)
+            # the tiles of grid-tiled axes are programs too: split-K only where all of them leave the
+            # machine idle
+            tiles = grid_tiles(choose_tiling(fused, full_sizes, plan.block_row, plan.block_col), full_sizes)
+            if tiles > 1:
+                plan = plan_for(tiles)
         if plan.splits > 1 or plan.prefetch_dot:
             gluon_reason = "split-K and software-pipelined plans run through Triton"
             _backend_setting()  # an invalid setting is an error whichever backend serves this plan

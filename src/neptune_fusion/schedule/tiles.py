@@ -101,6 +101,11 @@ def choose_tiling(program: Program, full_sizes: dict[str, int], block_row: int, 
     return AxisTiling(tuple(blocks), tuple(grid), tuple(loops))
 
 
+def grid_tiles(tiling: AxisTiling, full_sizes: dict[str, int]) -> int:
+    """How many programs the grid-tiled axes give each row tile (1: none is tiled)."""
+    return math.prod(-(-full_sizes[a] // tiling.block(a)) for a in tiling.grid)
+
+
 def check_fits(tiling: AxisTiling, program: Program, roles_row: str, block_row: int, num_warps: int) -> None:
     """Refuse a tiled plan whose loop state cannot live in registers (checked before lowering)."""
     if not tiling.tiled:
