@@ -159,9 +159,29 @@ def test_softmax_over_one_row_of_100k(randn):
     assert UNIT_ROW in exe.main.program.derived_axes
 
 
-def test_logsumexp_of_one_row_of_100k(randn):
-    x = randn(1, 100_000, scale=3.0)
-    torch.testing.assert_close(nf.compile(logsumexp_rows)(x), torch.logsumexp(x, -1), rtol=1e-5, atol=1e-5)
+@pytest.mark.parametrize("shape", [(100_000,), (1, 100_000)], ids=["single-value", "one-row"])
+def test_logsumexp_of_one_row_of_100k(shape, randn):
+    """Over a vector the logsumexp is a 0-d output; over a matrix of one row, a row of extent 1."""
+    x = randn(*shape, scale=3.0)
+    out = nf.compile(logsumexp_rows)(x)
+    assert out.shape == x.shape[:-1]
+    torch.testing.assert_close(out, torch.logsumexp(x, -1), rtol=1e-5, atol=1e-5)
+
+
+def test_max_over_everything(randn):
+    """The max of a matrix: a max over columns per row, then over the rows as a single value (a
+    second kernel, with a row axis of extent 1)."""
+
+    @nf.program
+    def total_max(x):
+        return x.max(axis=-1).max(axis=-1)
+
+    x = randn(60, 300)
+    fn = nf.compile(total_max)
+    out = fn(x)
+    assert out.shape == ()
+    torch.testing.assert_close(out, x.max())
+    assert any(len(exe.groups) == 2 for exe in fn._cache.values())
 
 
 def test_unit_row_translation_validation(randn):
