@@ -61,15 +61,17 @@ def _pow2(n: int, lo: int = 16) -> int:
     return max(lo, 1 << max(0, (n - 1).bit_length()))
 
 
-def axis_uses(program: Program) -> tuple[set[str], set[str]]:
-    """(axes some reduction is over, axes some stored value is indexed by) in a fused program."""
-    reduced: set[str] = set()
-    spatial: set[str] = set()
+def axis_uses(program: Program) -> tuple[dict[str, tuple[str, str]], dict[str, str]]:
+    """(axis -> (a stage that reduces over it, the reducer), axis -> a stage whose values it
+    indexes) of a fused program."""
+    reduced: dict[str, tuple[str, str]] = {}
+    spatial: dict[str, str] = {}
     for st in program.all_stages():
-        spatial |= set(st.axes)
+        for a in st.axes:
+            spatial.setdefault(a, st.name)
         for node in walk(st.body):
             if isinstance(node, Reduce):
-                reduced.add(node.axis)
+                reduced.setdefault(node.axis, (st.name, node.op))
     return reduced, spatial
 
 
@@ -94,10 +96,10 @@ def choose_tiling(program: Program, full_sizes: dict[str, int], block_row: int, 
             loops.append(axis)
         else:
             raise UnsupportedProgramError(
-                "tile planning", program.name, f"axis {axis}",
-                f"axis {axis!r} (size {size}) is both reduced and indexes stored values; held whole it "
-                f"takes more than {MAX_WHOLE} registers per row, and neither a grid tiling nor an inner "
-                "loop over it computes both")
+                "tile planning", reduced[axis][0], f"{reduced[axis][1]} over {axis}",
+                f"axis {axis!r} (size {size}) is both reduced (here) and indexes the stored values of stage "
+                f"{spatial[axis]!r}; held whole it takes more than {MAX_WHOLE} registers per row, and neither "
+                "a grid tiling nor an inner loop over it computes both")
     return AxisTiling(tuple(blocks), tuple(grid), tuple(loops))
 
 
