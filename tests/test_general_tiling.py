@@ -133,6 +133,23 @@ def test_norm_then_matmul_one_pass(randn):
     assert exe.combine is None and exe.main.tile.tiled_axes == ("e",)
 
 
+def test_batched_norm_then_matmul_and_narrowed_grid_tiles(randn):
+    """A batch axis and a grid-tiled axis share the grid's second axis; with several accumulators
+    over the tiled axis its tiles are narrowed until the loop state fits in registers."""
+
+    @nf.program
+    def two_matmuls(x, w, u):
+        r = nf.sqrt((x * x).sum(axis=-1, keepdims=True) / x.shape[-1] + 1e-6)
+        return nf.einsum("bik,bke->bie", x / r, w), nf.einsum("bik,bke->bie", x, u)
+
+    x, w, u = randn(2, 24, 300), randn(2, 300, 700, scale=0.05), randn(2, 300, 700, scale=0.05)
+    fused = fuse(two_matmuls.trace(x, w, u))[-1].program
+    wide = choose_tiling(fused, {"e": 700}, 128, 64, num_warps=8)
+    narrow = choose_tiling(fused, {"e": 700}, 128, 64, num_warps=1)
+    assert wide.grid == narrow.grid == ("e",) and narrow.block("e") < wide.block("e")
+    _check(two_matmuls, (x, w, u), schedule=nf.flash())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_linear_logsumexp_with_long_model_dim(dtype, randn):
     """logsumexp_v(H W^T): each score tile is an inner loop over d (640) inside the loop over v."""

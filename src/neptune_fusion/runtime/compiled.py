@@ -495,8 +495,8 @@ class Compiled:
         _check_offsets(fused, roles, args)
         # how the axes the tile cannot hold whole are walked: across the grid or by inner loops
         tiling = choose_tiling(fused, full_sizes, plan.block_row, plan.block_col,
-                               4 if main_dtype == "f32" else 2, plan.num_stages)
-        check_fits(tiling, fused, roles.row, plan.block_row, plan.num_warps)
+                               4 if main_dtype == "f32" else 2, plan.num_stages, plan.num_warps)
+        check_fits(tiling, fused, plan.block_row, plan.num_warps)
         tma = all_tma = _tma_buffers(program, args, device, interpreter)
         if use_block_map and os.environ.get("NEPTUNE_FUSION_BLOCKMAP_TMA", "0") != "1":
             # tiles at run-time coordinates (from the block map) load faster through pointers than

@@ -76,8 +76,9 @@ def axis_uses(program: Program) -> tuple[dict[str, tuple[str, str]], dict[str, s
 
 
 def choose_tiling(program: Program, full_sizes: dict[str, int], block_row: int, block_col: int,
-                  dtype_bytes: int = 2, num_stages: int = 1) -> AxisTiling:
-    """Block sizes for the full axes of a fused program (see the module docstring)."""
+                  dtype_bytes: int = 2, num_stages: int = 1, num_warps: int = 4) -> AxisTiling:
+    """Block sizes for the full axes of a fused program (see the module docstring). Grid tiles
+    are narrowed until the loop's state fits in registers (`check_fits`)."""
     reduced, spatial = axis_uses(program)
     blocks: list[tuple[str, int]] = []
     grid: list[str] = []
@@ -100,7 +101,27 @@ def choose_tiling(program: Program, full_sizes: dict[str, int], block_row: int, 
                 f"axis {axis!r} (size {size}) is both reduced (here) and indexes the stored values of stage "
                 f"{spatial[axis]!r}; held whole it takes more than {MAX_WHOLE} registers per row, and neither "
                 "a grid tiling nor an inner loop over it computes both")
-    return AxisTiling(tuple(blocks), tuple(grid), tuple(loops))
+    sizes = dict(blocks)
+    while grid and _state_values(program, sizes, block_row) > _register_budget(num_warps):
+        widest = max(grid, key=lambda a: sizes[a])
+        if sizes[widest] <= 16:
+            break
+        sizes[widest] //= 2
+    return AxisTiling(tuple((a, sizes[a]) for a, _ in blocks), tuple(grid), tuple(loops))
+
+
+def _state_values(program: Program, blocks: dict[str, int], block_row: int) -> int:
+    """fp32 values of the fused loops' accumulators in one program (other axes count 1: rows are
+    `block_row`, batch axes one entry)."""
+    values = 0
+    for loop in (n for n in program.stages if isinstance(n, FusedLoop)):
+        for m in loop.members:
+            values += block_row * math.prod(blocks.get(a, 1) for a in m.axes)
+    return values
+
+
+def _register_budget(num_warps: int) -> int:
+    return num_warps * 32 * REGISTER_VALUES_PER_THREAD
 
 
 def grid_tiles(tiling: AxisTiling, full_sizes: dict[str, int]) -> int:
@@ -108,17 +129,14 @@ def grid_tiles(tiling: AxisTiling, full_sizes: dict[str, int]) -> int:
     return math.prod(-(-full_sizes[a] // tiling.block(a)) for a in tiling.grid)
 
 
-def check_fits(tiling: AxisTiling, program: Program, roles_row: str, block_row: int, num_warps: int) -> None:
-    """Refuse a tiled plan whose loop state cannot live in registers (checked before lowering)."""
+def check_fits(tiling: AxisTiling, program: Program, block_row: int, num_warps: int) -> None:
+    """Refuse a tiled plan whose loop state cannot live in registers (checked before lowering).
+    Plans that hold every axis whole are left to the schedule as before."""
     if not tiling.tiled:
         return
     blocks = dict(tiling.blocks)
-    blocks[roles_row] = block_row
-    values = 0
-    for loop in (n for n in program.stages if isinstance(n, FusedLoop)):
-        for m in loop.members:
-            values += math.prod(blocks.get(a, 1) for a in m.axes)
-    budget = num_warps * 32 * REGISTER_VALUES_PER_THREAD
+    values = _state_values(program, blocks, block_row)
+    budget = _register_budget(num_warps)
     if values > budget:
         raise UnsupportedProgramError(
             "tile planning", program.name, "loop state",

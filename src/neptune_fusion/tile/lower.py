@@ -182,7 +182,8 @@ class KernelBuilder:
                 raise UnsupportedProgramError("tile lowering", program.name, f"axis {axis}",
                                               "the size of a full (head-dim) axis must be known at compile time")
         self.tiling = config.tiling or choose_tiling(
-            program, {a: config.full_sizes[a] for a in self.roles.full}, config.block_row, config.block_col)
+            program, {a: config.full_sizes[a] for a in self.roles.full}, config.block_row, config.block_col,
+            num_warps=config.num_warps)
         self.name = name
         self.counter = 0
         self.body: list[Stmt] = []
