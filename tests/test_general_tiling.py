@@ -166,6 +166,22 @@ def test_linear_cross_entropy_gathered_target(dtype, randn, randint):
     assert all(k.tile.tiled_axes == ("d",) for k in _kernels(fn))
 
 
+@pytest.mark.parametrize("schedule", [None, nf.flash()], ids=["auto", "flash"])
+def test_probabilities_of_a_linear_layer(schedule, randn):
+    """softmax_v(H W^T) as an output: the second pass over v recomputes each score tile with its
+    own inner loop over d (in the split-K combine under auto, in the one kernel under flash)."""
+
+    @nf.program
+    def linear_softmax(h, w):
+        s = nf.einsum("id,vd->iv", h, w)
+        e = nf.exp(s - s.max(axis=-1, keepdims=True))
+        return e / e.sum(axis=-1, keepdims=True)
+
+    h, w = randn(8, 640, scale=0.2), randn(300, 640, scale=0.2)
+    torch.testing.assert_close(nf.compile(linear_softmax, schedule=schedule)(h, w), torch.softmax(h @ w.T, -1),
+                               rtol=1e-4, atol=1e-6)
+
+
 def test_softmax_over_one_row_of_100k(randn):
     """A softmax whose max and sum are single values: a row axis of extent 1 and split-K."""
     x = randn(100_000, scale=3.0)
