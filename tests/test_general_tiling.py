@@ -293,3 +293,9 @@ def test_an_axis_both_reduced_and_stored_is_refused(randn):
 def test_explain_prints_every_kernel_of_a_partitioned_program(randn):
     text = nf.explain(softmax_then_column_sum, randn(12, 20))
     assert "kernel 2 of 2" in text and "inner loop" not in text
+
+
+def test_autotune_leaves_a_partitioned_program_to_its_groups_schedules(randn):
+    x = randn(20, 30)
+    out = nf.compile(softmax_then_column_sum, schedule=nf.autotune())(x)
+    torch.testing.assert_close(out, torch.softmax(x, -1).sum(0))
