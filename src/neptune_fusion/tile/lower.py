@@ -3,7 +3,10 @@
 The fused program is one `FusedLoop` followed by output stages. Axes get roles:
 the *row* axis is tiled per program (block_q), the loop *col* axis is walked in
 tiles (block_k), *batch* axes become program ids, *full* axes (head dims) are held
-whole in a tile. Every expression is lowered generically: loads compute addresses
+whole in a tile, or, when too long for that, tiled across the grid (an axis stored values are
+indexed by: a matmul's output) or walked by inner loops (a long contraction: a K-loop), as
+schedule/tiles.py decides. A reduction to a single value has a declared row axis of extent 1
+(transform/layout.py `with_unit_row`). Every expression is lowered generically: loads compute addresses
 from their index expressions (so gathers work), contractions of two operands
 become `dot`, other reductions become row reductions, and values that do not
 depend on the loop are computed once before it. Mask analysis splits the loop into
