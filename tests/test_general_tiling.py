@@ -126,11 +126,14 @@ def test_norm_then_matmul_with_long_axes(prog, dtype, randn):
     assert any("tiled across the grid" in n for n in main.notes)
 
 
-def test_norm_then_matmul_one_pass(randn):
-    """The same with the flash template (no split-K): the grid tiles rows and e."""
-    fn = _check(rmsnorm_matmul, (randn(40, 600), randn(600, 700, scale=0.05)), schedule=nf.flash())
-    exe = next(iter(fn._cache.values()))
-    assert exe.combine is None and exe.main.tile.tiled_axes == ("e",)
+@pytest.mark.parametrize("schedule", [nf.flash(), nf.split_k(splits=3)], ids=["flash", "split_k"])
+def test_norm_then_matmul_one_pass_or_split(schedule, randn):
+    """The same with each template: the grid tiles rows and e; under split-K the combine's grid
+    tiles e too."""
+    fn = _check(rmsnorm_matmul, (randn(40, 600), randn(600, 700, scale=0.05)), schedule=schedule)
+    kernels = _kernels(fn)
+    assert len(kernels) == (2 if isinstance(schedule, nf.SplitK) else 1)
+    assert all(k.tile.tiled_axes == ("e",) for k in kernels)
 
 
 def test_batched_norm_then_matmul_and_narrowed_grid_tiles(randn):
