@@ -96,6 +96,8 @@ def _analyse(kernel: TileKernel) -> _Shape:
     # a split-K kernel takes its split count as the size of the split axis (tile/lower.py `_splits`)
     if kernel.grid_dependency != "none" or any(a.source == "size:split" for a in kernel.args):
         raise _Unsupported("split-K kernels are memory-bound: the Triton backend serves them")
+    if kernel.tiled_axes:
+        raise _Unsupported(f"axes {kernel.tiled_axes} are tiled across the grid or by inner loops")
     if kernel.constexprs.get("BLOCK_R") != ROW_BLOCK:
         raise _Unsupported(f"the row tile must be {ROW_BLOCK} rows (two consumer warpgroups of 64)")
     block_c = kernel.constexprs.get("BLOCK_C", 0)

@@ -166,9 +166,7 @@ def trace(fn: Callable[..., Any], specs: Sequence[ArgSpec], name: str | None = N
     for r in results:
         if not isinstance(r, SymTensor):
             raise TypeError(f"a traced program must return symbolic tensors, got {type(r).__name__}")
-        loaded = tracer.materialize(r) if r.dims and any(d is not None for d in r.dims) else None
-        if loaded is None:
-            raise ValueError("a program output must have at least one non-broadcast dimension")
+        loaded = tracer.materialize(r)
         if loaded.expr.buffer in {n for n, _, _ in tracer.inputs}:  # type: ignore[attr-defined]
             loaded = tracer.stage(loaded.dims, loaded.expr, loaded.kind)
         outputs.append(OutputSpec(loaded.expr.buffer, tuple(d.var if d else None for d in loaded.dims)))  # type: ignore[attr-defined]

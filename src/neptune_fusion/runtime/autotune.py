@@ -107,6 +107,9 @@ def tune(compiled: Compiled, program: Program, named: dict[str, Any], order: lis
         except (TypeError, FusionError):
             pass  # a choice from another version of the compiler: tune again
     base = compiled.executable_for(program, named)
+    if base.groups:  # several kernels: the candidates are plans of one; each group keeps its schedule's
+        last_report = []
+        return base
     values = [named[n] for n in order]
     reference = compiled._launcher(base, program, named, order)(values)
     fused = base.main.program

@@ -39,8 +39,10 @@ from neptune_fusion.runtime.blockmap import block_map, block_map_axes
 from neptune_fusion.runtime.reference import axis_extents, run_reference
 from neptune_fusion.runtime.state import CALL_STATE
 from neptune_fusion.schedule.auto import Plan, choose
+from neptune_fusion.schedule.partition import Group, partition
 from neptune_fusion.schedule.pipeline import SPLIT_AXIS, Step, combine_program, fuse, with_split_k
 from neptune_fusion.schedule.templates import Auto, Autotune, Flash, Schedule, SplitK
+from neptune_fusion.schedule.tiles import check_fits, choose_tiling, grid_tiles
 from neptune_fusion.tile.ir import TileKernel
 from neptune_fusion.tile.lower import (
     BLOCK_MAP_PREFIX,
@@ -121,6 +123,9 @@ class Executable:
     combine_steps: list[Step] = field(default_factory=list)
     masks: MaskInfo | None = None  # set when tiles are visited from a run-time block map
     combine_tile: TileKernel | None = None  # split-K combine (its own launch, or called by the main kernel)
+    # a program that needs several kernels: each group's program and executable, run in order
+    # (main, combine, ... are the first group's)
+    groups: tuple[tuple[Group, Executable], ...] = ()
 
 
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
@@ -181,6 +186,17 @@ def _fuse_cached(program: Program, splits: int) -> tuple[Step, ...]:
     if key not in _FUSED:
         _FUSED[key] = tuple(with_split_k(_fuse_cached(program, 1), splits) if splits > 1 else fuse(program))
     return _FUSED[key]
+
+
+_PARTS: dict[str, list[Group]] = {}
+
+
+def _partition_cached(program: Program) -> list[Group]:
+    """`partition(program)`, cached by fingerprint (like `_fuse_cached`)."""
+    key = program.fingerprint()
+    if key not in _PARTS:
+        _PARTS[key] = partition(program)
+    return _PARTS[key]
 
 
 _MASKS: dict[tuple[str, str], MaskInfo] = {}
@@ -441,6 +457,9 @@ class Compiled:
         """Compile (or fetch from cache) the kernels for these arguments (`plan` overrides the schedule)."""
         interpreter = interpreter_mode()
         device = _check_tensors(program, args, interpreter)
+        groups = _partition_cached(program)
+        if len(groups) > 1:
+            return self._grouped(program, groups, args, device)
         dtypes = {b.name: input_dtype_name(args[b.name].dtype) for b in program.inputs}
         main_dtype = next(dtypes[b.name] for b in program.inputs if args[b.name].is_floating_point())
         fused = _fuse_cached(program, 1)[-1].program
@@ -453,9 +472,17 @@ class Compiled:
         use_block_map = masks.residual
         given_plan = plan is not None
         if plan is None:
-            plan = choose(self.schedule, rows=sizes[roles.row], cols=sizes[roles.col], batch=batch,
-                          full_sizes=full_sizes, dtype=main_dtype, num_sms=_num_sms(device), interpreter=interpreter,
-                          block_mapped=use_block_map)
+            def plan_for(programs_per_row_tile: int) -> Plan:
+                return choose(self.schedule, rows=sizes[roles.row], cols=sizes[roles.col],
+                              batch=batch * programs_per_row_tile, full_sizes=full_sizes, dtype=main_dtype,
+                              num_sms=_num_sms(device), interpreter=interpreter, block_mapped=use_block_map)
+
+            plan = plan_for(1)
+            # the tiles of grid-tiled axes are programs too: split-K only where all of them leave the
+            # machine idle
+            tiles = grid_tiles(choose_tiling(fused, full_sizes, plan.block_row, plan.block_col), full_sizes)
+            if tiles > 1:
+                plan = plan_for(tiles)
         if plan.splits > 1 or plan.prefetch_dot:
             gluon_reason = "split-K and software-pipelined plans run through Triton"
             _backend_setting()  # an invalid setting is an error whichever backend serves this plan
@@ -468,6 +495,10 @@ class Compiled:
                 # at 16k: 1868 us vs 2071 with 64; bench/results/run31/gluon_check.json)
                 plan = replace(plan, block_col=128)
         _check_offsets(fused, roles, args)
+        # how the axes the tile cannot hold whole are walked: across the grid or by inner loops
+        tiling = choose_tiling(fused, full_sizes, plan.block_row, plan.block_col,
+                               4 if main_dtype == "f32" else 2, plan.num_stages, plan.num_warps)
+        check_fits(tiling, fused, plan.block_row, plan.num_warps)
         tma = all_tma = _tma_buffers(program, args, device, interpreter)
         if use_block_map and os.environ.get("NEPTUNE_FUSION_BLOCKMAP_TMA", "0") != "1":
             # tiles at run-time coordinates (from the block map) load faster through pointers than
@@ -485,15 +516,16 @@ class Compiled:
         # tile it measured slower at every length on the H200 (packed GQA 64/8 at 1k: 10.0 vs 13.1
         # us, 4k: 14.8 vs 17.2; MHA 32/32 at 1k: 14.8 vs 15.5; softcap 32/16 at 32k: 77.7 vs 80.4;
         # bench/results/run34/decode_profile.json). NEPTUNE_FUSION_FUSED_COMBINE=1 still selects it.
-        fused_combine = plan.splits > 1 and os.environ.get("NEPTUNE_FUSION_FUSED_COMBINE", "0") == "1"
+        fused_combine = (plan.splits > 1 and os.environ.get("NEPTUNE_FUSION_FUSED_COMBINE", "0") == "1"
+                         and not tiling.grid)  # its arrival counters are per (row tile, batch entry)
         combine_rows = min(16, 1 << max(0, (sizes[roles.row] - 1).bit_length()))
         # the next listed tile's index read an iteration early: 5-6% faster (document mask, run 16)
         prefetch_index = use_block_map and os.environ.get("NEPTUNE_FUSION_PREFETCH_INDEX", "1") == "1"
         # the separate combine launches while the main kernel runs and waits for its writes itself
         dependent_launch = (plan.splits > 1 and not fused_combine and not interpreter
                             and _supports_dependent_launch(device) and os.environ.get("NEPTUNE_FUSION_PDL", "1") == "1")
-        grid_group = _grid_group(math.ceil(sizes[roles.row] / plan.block_row), batch, plan.splits, _num_sms(device),
-                                 use_block_map, device)
+        grid_group = None if tiling.grid else _grid_group(
+            math.ceil(sizes[roles.row] / plan.block_row), batch, plan.splits, _num_sms(device), use_block_map, device)
         key = (program.fingerprint(), tuple(sorted(dtypes.items())), tuple(sorted(full_sizes.items())), plan,
                layout, interpreter, str(device), tma, os.environ.get("NEPTUNE_FUSION_WS", "0"), positive,
                fused_combine, combine_rows, prefetch_index, grid_group, dependent_launch,
@@ -518,7 +550,7 @@ class Compiled:
                                 plan.num_stages, plan.splits, dot_dtype, partial_outputs=plan.splits > 1,
                                 block_map_axes=block_axes, tma_buffers=tma, positive_params=positive,
                                 warp_specialize=os.environ.get("NEPTUNE_FUSION_WS", "0") == "1" and not interpreter,
-                                grid_group=grid_group)
+                                grid_group=grid_group, tiling=tiling)
         target = "interpreter" if interpreter else "cuda"
         name = kernel_name(program.name)
         combine = None
@@ -557,7 +589,8 @@ class Compiled:
             tile = lower(fused, config, name)
             if prefetch_index:
                 tile = prefetch_scalar_loads(tile)
-            tile = prefetch_first_dot(tile) if plan.prefetch_dot else tile
+            # the rewrite moves a top-level loop's first dot; one inside an inner (K-)loop stays put
+            tile = prefetch_first_dot(tile) if plan.prefetch_dot and not tiling.loops else tile
             if dependent_launch:
                 tile.grid_dependency = "primary"
             return tile
@@ -595,6 +628,55 @@ class Compiled:
         exe = Executable(steps, plan, main, combine, combine_steps, masks if use_block_map else None, ctile)
         self._cache[key] = exe
         return exe
+
+    def _grouped(self, program: Program, groups: list[Group], args: dict[str, Any],
+                 device: torch.device) -> Executable:
+        """One executable per group (schedule/partition.py), each compiled for example arguments:
+        the call's own, and for the reductions one group writes for the next, contiguous fp32
+        tensors of their shapes (what the launcher allocates for them)."""
+        key = ("groups", program.fingerprint(), tuple((n, _arg_key(v)) for n, v in sorted(args.items())))
+        if key in self._cache:
+            return self._cache[key]
+        sizes = axis_extents(program, args)
+        env = dict(args)
+        parts: list[tuple[Group, Executable]] = []
+        steps: list[Step] = []
+        for k, group in enumerate(groups):
+            exe = self.executable_for(group.program, {n: env[n] for n in _arg_names(group.program)})
+            parts.append((group, exe))
+            steps += [Step(f"kernel {k + 1} of {len(groups)}: {s.name}", s.program) for s in exe.steps]
+            env.update(_materialised(program, group, sizes, device))
+        first = parts[0][1]
+        self._cache[key] = Executable(steps, first.plan, first.main, first.combine, first.combine_steps,
+                                      first.masks, first.combine_tile, tuple(parts))
+        return self._cache[key]
+
+    def _grouped_launcher(self, exe: Executable, program: Program, example: dict[str, Any],
+                          order: list[str]) -> Callable[[Sequence[Any]], Any]:
+        """Run the groups' kernels in order; each group's materialised reductions are inputs of
+        the later ones."""
+        env = dict(example)
+        sizes = axis_extents(program, example)
+        device = example[program.inputs[0].name].device
+        runs = []
+        for group, part in exe.groups:
+            names = _arg_names(group.program)
+            runs.append((names, self._launcher(part, group.program, {n: env[n] for n in names}, names), group.results))
+            env.update(_materialised(program, group, sizes, device))
+        # a group that reads only materialised (fp32) values would return fp32: outputs keep the
+        # dtypes the whole program gives them
+        out_dtype = next(example[b.name].dtype for b in program.inputs if example[b.name].is_floating_point())
+        dtypes = [_declared_dtype(program.stage(o.stage).body, out_dtype) for o in program.outputs]
+
+        def run(values: list[Any]) -> Any:
+            known = dict(zip(order, values))
+            for names, launch, results in runs:
+                out = launch([known[n] for n in names])
+                known.update(zip(results, out if isinstance(out, tuple) else (out,)))
+            outs = [known[f"output:{j}"].to(dtype) for j, dtype in enumerate(dtypes)]
+            return outs[0] if len(outs) == 1 else tuple(outs)
+
+        return run
 
     # --- run ----------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -685,6 +767,8 @@ class Compiled:
         """The per-call function for arguments like `example`: everything that does not change from
         call to call (sizes, strides, grids, constexprs, where each kernel argument comes from) is
         resolved here once; a call allocates its outputs and launches."""
+        if exe.groups:  # several kernels, run in order
+            return self._grouped_launcher(exe, program, example, order)
         sizes = axis_extents(exe.main.program, example)
         device = example[program.inputs[0].name].device
         out_dtype = next(example[b.name].dtype for b in program.inputs if example[b.name].is_floating_point())
@@ -790,6 +874,18 @@ class Compiled:
         grid = tuple(int(eval(_grid_code(g), {"__builtins__": {}}, env)) for g in tile.grid)  # noqa: S307 - ours
         return (launch.fn, grid, sources, dict(tile.constexprs), tile.num_warps, tile.num_stages,
                 tile.grid_dependency == "dependent")
+
+
+def _arg_names(program: Program) -> list[str]:
+    """A group program's arguments, by name: its inputs, then its scalar parameters."""
+    return [b.name for b in program.inputs] + list(program.params)
+
+
+def _materialised(program: Program, group: Group, sizes: dict[str, int], device: torch.device) -> dict[str, torch.Tensor]:
+    """Tensors of the shapes and dtype (fp32, contiguous) of the reductions `group` writes for the
+    groups after it: example arguments for compiling those."""
+    return {r: torch.empty([sizes[a] for a in program.stage(r).axes], dtype=torch.float32, device=device)
+            for r in group.results if not r.startswith("output:")}
 
 
 def _fresh_scratch(specs: dict[str, tuple[list[int], torch.dtype]], device: torch.device) -> dict[str, torch.Tensor]:

@@ -58,4 +58,10 @@ def explain(program: ProgramDef | Program | Compiled | Callable[..., Any], *args
             section("combine Triton source", exe.combine.source)
         else:
             section("combine", "called by the main kernel's last program per row tile (see the Triton source above)")
+    for k, (group, part) in enumerate(exe.groups[1:], start=2):
+        title = f"kernel {k} of {len(exe.groups)} ({group.program.name})"
+        for kernel in (part.main, part.combine):
+            if kernel is not None:
+                section(f"{title}: tile program", format_tile_kernel(kernel.tile))
+                section(f"{title}: Triton source", kernel.source)
     return "\n".join(out)

@@ -29,6 +29,7 @@ from neptune_fusion.ir.expr import (
 )
 from neptune_fusion.ir.program import FusedLoop, InputBuffer, OutputSpec, Program, Stage
 from neptune_fusion.transform.inline import inline_along, inline_elementwise, inline_stages
+from neptune_fusion.transform.layout import needs_unit_row, with_unit_row
 from neptune_fusion.transform.normalize import hoist_invariant_factors
 from neptune_fusion.transform.polynomial import expand_polynomial_reductions
 from neptune_fusion.transform.rolling import nonnegative_sums, rolling_update
@@ -65,6 +66,9 @@ def fuse(program: Program, splits: int = 1) -> list[Step]:
         steps.append(Step("expand sums that need final running values into basis sums (Welford-style)", p))
     p = rolling_update(p, axis)
     steps.append(Step(f"rolling update along {axis!r} (derived repair terms)", p))
+    if needs_unit_row(p):
+        p = with_unit_row(p)
+        steps.append(Step("a reduction to a single value: a row axis of extent 1 to tile", p))
     return with_split_k(steps, splits) if splits > 1 else steps
 
 

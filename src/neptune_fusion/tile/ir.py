@@ -129,6 +129,8 @@ class TileKernel:
     # int arguments Triton must not specialise on (== 1, divisible by 16): the length of the loop
     # axis, which changes from call to call (a growing KV cache), so one compiled kernel serves it all
     do_not_specialize: list[str] = field(default_factory=list)
+    # full axes not held whole: tiled across the grid or walked by inner loops (schedule/tiles.py)
+    tiled_axes: tuple[str, ...] = ()
 
 
 def format_tile_kernel(kernel: TileKernel) -> str:

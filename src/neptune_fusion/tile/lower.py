@@ -3,7 +3,10 @@
 The fused program is one `FusedLoop` followed by output stages. Axes get roles:
 the *row* axis is tiled per program (block_q), the loop *col* axis is walked in
 tiles (block_k), *batch* axes become program ids, *full* axes (head dims) are held
-whole in a tile. Every expression is lowered generically: loads compute addresses
+whole in a tile, or, when too long for that, tiled across the grid (an axis stored values are
+indexed by: a matmul's output) or walked by inner loops (a long contraction: a K-loop), as
+schedule/tiles.py decides. A reduction to a single value has a declared row axis of extent 1
+(transform/layout.py `with_unit_row`). Every expression is lowered generically: loads compute addresses
 from their index expressions (so gathers work), contractions of two operands
 become `dot`, other reductions become row reductions, and values that do not
 depend on the loop are computed once before it. Mask analysis splits the loop into
@@ -47,7 +50,9 @@ from neptune_fusion.ir.expr import (
 )
 from neptune_fusion.ir.program import FusedLoop, Program, Stage
 from neptune_fusion.schedule.pipeline import SPLIT_AXIS
+from neptune_fusion.schedule.tiles import AxisTiling, choose_tiling
 from neptune_fusion.tile.ir import Assign, CombineTail, KernelArg, Loop, Op, Stmt, Store, TileKernel, TVal
+from neptune_fusion.transform.layout import UNIT_ROW
 
 LOG2E = 1.4426950408889634
 BLOCK_MAP_PREFIX = "__blockmap_"
@@ -96,6 +101,9 @@ class LoweringConfig:
     # one-axis grid whose programs walk row tiles (heaviest first) across this many batch entries at
     # once; None: the (row tiles, batch) grid
     grid_group: int | None = None
+    # block sizes of the full axes, and which are tiled across the grid or walked by inner loops
+    # (schedule/tiles.py); None: chosen from the sizes by `choose_tiling`
+    tiling: AxisTiling | None = None
     notes: list[str] = field(default_factory=list)
 
 
@@ -112,10 +120,11 @@ def assign_roles(program: Program) -> AxisRoles:
     """Row, loop, batch and full axes of a fused program (see module docstring)."""
     loop = fused_loop_of(program)
     smallest = min(loop.members, key=lambda m: len(m.axes))
-    if not smallest.axes:
+    if not smallest.axes and UNIT_ROW not in program.derived_axes:
         raise UnsupportedProgramError("tile lowering", smallest.name, f"{smallest.reduce_op} over {loop.axis}",
-                                      "a reduction to a single value has no row axis to tile")
-    row = smallest.axes[-1]
+                                      "a reduction to a single value has no row axis to tile "
+                                      "(transform/layout.py `with_unit_row` declares one)")
+    row = smallest.axes[-1] if smallest.axes else UNIT_ROW
     batch = smallest.axes[:-1]
     full: list[str] = []
     known = {row, loop.axis, *batch}
@@ -175,11 +184,9 @@ class KernelBuilder:
             if axis not in config.full_sizes:
                 raise UnsupportedProgramError("tile lowering", program.name, f"axis {axis}",
                                               "the size of a full (head-dim) axis must be known at compile time")
-            if config.full_sizes[axis] > 512:
-                raise UnsupportedProgramError(
-                    "tile lowering", program.name, f"axis {axis}",
-                    f"axis {axis!r} (size {config.full_sizes[axis]}) is held whole in registers; sizes above 512 are not supported",
-                )
+        self.tiling = config.tiling or choose_tiling(
+            program, {a: config.full_sizes[a] for a in self.roles.full}, config.block_row, config.block_col,
+            num_warps=config.num_warps)
         self.name = name
         self.counter = 0
         self.body: list[Stmt] = []
@@ -199,7 +206,7 @@ class KernelBuilder:
         for axis in self.roles.full:
             size = config.full_sizes[axis]
             self.block[axis] = f"BLOCK_{axis.upper()}"
-            self.constexprs[f"BLOCK_{axis.upper()}"] = max(16, 1 << (size - 1).bit_length())
+            self.constexprs[f"BLOCK_{axis.upper()}"] = self.tiling.block(axis)
             self.constexprs[f"SIZE_{axis.upper()}"] = size
         for axis in self.roles.epilogue:
             self.block[axis] = f"BLOCK_{axis.upper()}"
@@ -440,7 +447,8 @@ class KernelBuilder:
             return None
         (d_outer, outer), (d_inner, inner) = tiled
         if not (isinstance(outer, Index) and isinstance(inner, Index) and d_inner == len(index) - 1
-                and inner.axis in self.roles.full and outer.axis in (self.roles.row, self.roles.col)
+                and inner.axis in self.roles.full and inner.axis not in self.tiling.grid + self.tiling.loops
+                and outer.axis in (self.roles.row, self.roles.col)
                 and outer.axis in self.tile_start):
             return None
         key = ("desc", expr.buffer, outer.axis, d_outer)
@@ -565,6 +573,12 @@ class KernelBuilder:
                 f"a reduction over {expr.axis!r}, which is split across programs (rows {self.roles.row!r}, "
                 f"batch {self.roles.batch}); only the fused reductions over {self.roles.col!r} and reductions "
                 "over whole head-dim axes fit one kernel")
+        if expr.axis in self.tiling.loops:
+            return self._k_loop(expr, ctx)
+        return self._tile_reduce(expr, ctx)
+
+    def _tile_reduce(self, expr: Reduce, ctx: _Ctx) -> TVal:
+        """`expr` over the axis's tile as bound here: one dot, or one reduction of the tile."""
         operands = self.contraction(expr, ctx)
         if operands is not None:
             return self.dot(operands[0], operands[1], expr.axis)
@@ -592,6 +606,44 @@ class KernelBuilder:
         out_axes = tuple(a for a in body.axes if a != expr.axis)
         return self.op("reduce", out_axes, "f32", (body,), prefix="red", op=expr.op, axis=expr.axis)
 
+    def _k_loop(self, expr: Reduce, ctx: _Ctx) -> TVal:
+        """`expr` over an axis too long for one tile: an inner loop over its tiles, accumulating in
+        fp32 (a contraction as a dot with an accumulator), placed where the reduction is needed."""
+        axis = expr.axis
+        if axis in self.bindings:
+            raise UnsupportedProgramError("tile lowering", self.program.name, f"{expr.op} over {axis}",
+                                          f"a reduction over {axis!r} nested in another over it")
+        outer = self.scopes[-1]
+        body: list[Stmt] = []
+        self.scopes.append(_Scope(body))
+        var = TVal(self.fresh("k_"), (), "i32")
+        block = self.block[axis]
+        self.bindings[axis] = self.op("arange", (axis,), "i32", (var,), prefix="offs", block=block)
+        inner = _Ctx(ctx.values, ctx.placeholders, {**ctx.valid, axis: self._full_valid(axis)}, ctx.replace, True)
+        self.variant_axes.add(axis)
+        try:
+            operands = self.contraction(expr, inner)
+            if operands is not None:
+                a, b = operands
+                acc = TVal(self.fresh("kacc"), self._canon((set(a.axes) | set(b.axes)) - {axis}), "f32")
+                new = self.dot(a, b, axis, acc)
+            else:
+                part = self.to(self._tile_reduce(expr, inner), "f32")
+                acc = TVal(self.fresh("kacc"), part.axes, "f32")
+                new = self.bin("add" if expr.op == "sum" else expr.op, acc, part)
+            body.append(Assign(acc, self.to(new, "f32")))
+        finally:
+            self.variant_axes.discard(axis)
+            del self.bindings[axis]
+            self.scopes.pop()
+        outer.stmts.append(Op(acc, "full", (), {"value": REDUCER_IDENTITY[expr.op]}))
+        outer.stmts.append(Loop(var, self.const(0), self.size(axis), block, body,
+                                f"inner loop over {axis!r} ({self.config.full_sizes[axis]}) in tiles of {self.tiling.block(axis)}"))
+        note = f"inner loops over {axis!r} in tiles of {self.tiling.block(axis)}, accumulating in fp32"
+        if note not in self.config.notes:
+            self.config.notes.append(note)
+        return acc
+
     # --- kernel structure ---------------------------------------------------------------
     def build(self) -> TileKernel:
         roles, cfg = self.roles, self.config
@@ -610,19 +662,20 @@ class KernelBuilder:
         row_tile = self.bin("sub", last, pid_r)
         r0 = self.bin("mul", row_tile, TVal("BLOCK_R", (), "i32"))
         self.bindings: dict[str, TVal] = {}
-        rest = pid_b
+        rest = self._grid_tiles(pid_b, grid)
         for axis in reversed(roles.batch):
             size = self.size(axis)
             self.bindings[axis] = self.bin("mod", rest, size)
             rest = self.bin("floordiv", rest, size)
         self.bindings[roles.row] = self.op("arange", (roles.row,), "i32", (r0,), prefix="rows", block="BLOCK_R")
         self.tile_start[roles.row] = r0
-        for axis in roles.full:
-            self.bindings[axis] = self.op("arange", (axis,), "i32", (self.const(0),), prefix="offs", block=self.block[axis])
+        held = [a for a in roles.full if a not in self.tiling.loops]  # K-loop axes are bound by their loops
+        for axis in held:
+            start = self.tile_start.get(axis, self.const(0))
+            self.bindings[axis] = self.op("arange", (axis,), "i32", (start,), prefix="offs", block=self.block[axis])
         valid: dict[str, TVal | None] = {roles.row: self.bin("lt", self.bindings[roles.row], n_rows)}
-        for axis in roles.full:
-            size = cfg.full_sizes[axis]
-            valid[axis] = None if size == self.constexprs[self.block[axis]] else self.bin("lt", self.bindings[axis], self.size(axis))
+        for axis in held:
+            valid[axis] = self._full_valid(axis)
         state = self._init_state()
         if cfg.block_map_axes is not None:
             self._emit_block_map_loops(row_tile, state, valid)
@@ -639,7 +692,32 @@ class KernelBuilder:
         varying = (f"size:{roles.col}", f"size:{SPLIT_AXIS}")
         return TileKernel(self.name, self.args, roles.tile_axes, self.block, grid, self.body, cfg.num_warps,
                           cfg.num_stages, self.constexprs, list(cfg.notes),
-                          do_not_specialize=[a.name for a in self.args if a.source in varying])
+                          do_not_specialize=[a.name for a in self.args if a.source in varying],
+                          tiled_axes=self.tiling.grid + self.tiling.loops)
+
+    def _grid_tiles(self, pid_b: TVal, grid: list[str]) -> TVal:
+        """Peel the tile index of each grid-tiled axis off the batch program id (innermost first)
+        and widen grid axis 1 to match; what remains indexes the batch."""
+        rest = pid_b
+        for axis in self.tiling.grid:
+            if self.config.grid_group is not None:
+                raise UnsupportedProgramError("tile lowering", self.program.name, f"axis {axis}",
+                                              "a grid-tiled axis needs the plain (row tiles, batch) grid")
+            block = self.block[axis]
+            tiles = self.op("cdiv", (), "i32", (self.size(axis),), prefix="ntiles", block=block)
+            self.tile_start[axis] = self.bin("mul", self.bin("mod", rest, tiles), TVal(block, (), "i32"))
+            rest = self.bin("floordiv", rest, tiles)
+            grid[1] = f"{grid[1]} * cdiv(SIZE_{axis.upper()}, {block})"
+            self.config.notes.append(
+                f"axis {axis!r} ({self.config.full_sizes[axis]}) tiled across the grid in blocks of "
+                f"{self.tiling.block(axis)}: values not indexed by it are recomputed by every program")
+        return rest
+
+    def _full_valid(self, axis: str) -> TVal | None:
+        """In-bounds mask of a full axis's offsets (None where its blocks cover it exactly)."""
+        size, block = self.config.full_sizes[axis], self.constexprs[self.block[axis]]
+        exact = size % block == 0 if axis in self.tiling.grid + self.tiling.loops else size == block
+        return None if exact else self.bin("lt", self.bindings[axis], self.size(axis))
 
     def _grouped_program_ids(self, n_tiles: TVal, group: int) -> tuple[TVal, TVal]:
         """(row program, batch entry) of a one-axis grid that runs the row tiles of `group` batch

@@ -37,7 +37,7 @@ def shared_memory_estimate(kernel: TileKernel) -> int:
         out = 0
         for st in body:
             if isinstance(st, Loop):
-                out = max(out, loop_bytes(st))
+                out = max(out, loop_bytes(st), worst(st.body))
             elif isinstance(st, If):
                 out = max(out, worst(st.body))
         return out

@@ -123,3 +123,27 @@ def pack_groups(program: Program, head: str, rows: str, group: int) -> Program:
                   dict(program.param_kinds), derived)
     out.validate()
     return out
+
+
+UNIT_ROW = "__row__"
+
+
+def needs_unit_row(program: Program) -> bool:
+    """Whether a fused loop has a member with no axes (a reduction to a single value): the tile
+    lowering then has no axis to tile rows by."""
+    return any(not m.axes for n in program.stages if isinstance(n, FusedLoop) for m in n.members)
+
+
+def with_unit_row(program: Program) -> Program:
+    """`program` with a degenerate row axis of extent 1 declared (Program -> Program).
+
+    Nothing is indexed by it, so every value is the same as before; what it adds is an axis the
+    tile lowering can map to one row tile of one row, so a reduction to a single value lowers like
+    any row of a reduction. Split-K along the loop axis then fills the machine.
+    """
+    if UNIT_ROW in program.derived_axes:
+        return program
+    derived = dict(program.derived_axes)
+    derived[UNIT_ROW] = ("const", 1, None)
+    return Program(program.name, program.inputs, program.params, program.stages, program.outputs,
+                   dict(program.axis_sizes), dict(program.param_kinds), derived)

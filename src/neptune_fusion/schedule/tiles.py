@@ -1,0 +1,144 @@
+"""Per-axis tiling: how a kernel walks each axis its tile would otherwise hold whole.
+
+The tile lowering gives a fused program's axes roles (tile/lower.py `AxisRoles`): tiled rows,
+the loop axis, program-id batch axes, and "full" axes. A full axis short enough is held whole
+in registers (attention's head dims). A longer one is tiled by what the program does with it:
+
+- an axis that stored values are indexed by but that nothing reduces (a matmul's output axis)
+  is tiled across the grid: each program computes one tile of it, and values not indexed by it
+  (a row's norm) are recomputed by every program;
+- an axis only reduced (a contraction too long for one tile) is walked by an inner loop over its
+  tiles, accumulating in fp32 (a K-loop), wherever the reduction sits (inside the fused loop's
+  body or after it);
+- an axis both reduced and indexing stored values has no tiling here and is refused.
+
+Block sizes come from the extents and a register / shared-memory budget, never from what the
+program is called.
+
+Example:
+    >>> from neptune_fusion.schedule.tiles import AxisTiling
+    >>> AxisTiling((("e", 128),), grid=("e",)).block("e")
+    128
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from neptune_fusion.ir.errors import UnsupportedProgramError
+from neptune_fusion.ir.expr import Reduce, walk
+from neptune_fusion.ir.program import FusedLoop, Program
+
+MAX_WHOLE = 512  # an axis at most this long is held whole in registers
+# fp32 accumulator values of one program's tile of a grid-tiled axis (rows x that axis): 64 per
+# thread at 8 warps, what a 128 x 128 matmul tile holds
+GRID_TILE_VALUES = 128 * 128
+MAX_GRID_BLOCK = 256
+MAX_K_BLOCK = 64  # K-loop tiles: fp16 operands of 128 x 64 keep three pipeline stages in shared memory
+SHARED_BYTES = 200 * 1024
+REGISTER_VALUES_PER_THREAD = 160  # fp32 values a thread may keep live in a tile's state
+
+
+@dataclass(frozen=True)
+class AxisTiling:
+    """The block size of every full axis, and which of them are tiled across the grid (`grid`)
+    or walked by an inner loop (`loops`); the others are held whole."""
+
+    blocks: tuple[tuple[str, int], ...]
+    grid: tuple[str, ...] = ()
+    loops: tuple[str, ...] = ()
+
+    def block(self, axis: str) -> int:
+        return dict(self.blocks)[axis]
+
+    @property
+    def tiled(self) -> bool:
+        return bool(self.grid or self.loops)
+
+
+def _pow2(n: int, lo: int = 16) -> int:
+    return max(lo, 1 << max(0, (n - 1).bit_length()))
+
+
+def axis_uses(program: Program) -> tuple[dict[str, tuple[str, str]], dict[str, str]]:
+    """(axis -> (a stage that reduces over it, the reducer), axis -> a stage whose values it
+    indexes) of a fused program."""
+    reduced: dict[str, tuple[str, str]] = {}
+    spatial: dict[str, str] = {}
+    for st in program.all_stages():
+        for a in st.axes:
+            spatial.setdefault(a, st.name)
+        for node in walk(st.body):
+            if isinstance(node, Reduce):
+                reduced.setdefault(node.axis, (st.name, node.op))
+    return reduced, spatial
+
+
+def choose_tiling(program: Program, full_sizes: dict[str, int], block_row: int, block_col: int,
+                  dtype_bytes: int = 2, num_stages: int = 1, num_warps: int = 4) -> AxisTiling:
+    """Block sizes for the full axes of a fused program (see the module docstring). Grid tiles
+    are narrowed until the loop's state fits in registers (`check_fits`)."""
+    reduced, spatial = axis_uses(program)
+    blocks: list[tuple[str, int]] = []
+    grid: list[str] = []
+    loops: list[str] = []
+    for axis, size in full_sizes.items():
+        whole = _pow2(size)
+        if size <= MAX_WHOLE:
+            blocks.append((axis, whole))
+        elif axis in spatial and axis not in reduced:
+            blocks.append((axis, min(whole, MAX_GRID_BLOCK, max(16, GRID_TILE_VALUES // block_row))))
+            grid.append(axis)
+        elif axis in reduced and axis not in spatial:
+            # both operand tiles of a step, `num_stages` deep, within shared memory
+            fit = SHARED_BYTES // (max(1, num_stages) * (block_row + block_col) * dtype_bytes)
+            blocks.append((axis, max(16, min(MAX_K_BLOCK, whole, 1 << (max(16, fit).bit_length() - 1)))))
+            loops.append(axis)
+        else:
+            raise UnsupportedProgramError(
+                "tile planning", reduced[axis][0], f"{reduced[axis][1]} over {axis}",
+                f"axis {axis!r} (size {size}) is both reduced (here) and indexes the stored values of stage "
+                f"{spatial[axis]!r}; held whole it takes more than {MAX_WHOLE} registers per row, and neither "
+                "a grid tiling nor an inner loop over it computes both")
+    sizes = dict(blocks)
+    while grid and _state_values(program, sizes, block_row) > _register_budget(num_warps):
+        widest = max(grid, key=lambda a: sizes[a])
+        if sizes[widest] <= 16:
+            break
+        sizes[widest] //= 2
+    return AxisTiling(tuple((a, sizes[a]) for a, _ in blocks), tuple(grid), tuple(loops))
+
+
+def _state_values(program: Program, blocks: dict[str, int], block_row: int) -> int:
+    """fp32 values of the fused loops' accumulators in one program (other axes count 1: rows are
+    `block_row`, batch axes one entry)."""
+    values = 0
+    for loop in (n for n in program.stages if isinstance(n, FusedLoop)):
+        for m in loop.members:
+            values += block_row * math.prod(blocks.get(a, 1) for a in m.axes)
+    return values
+
+
+def _register_budget(num_warps: int) -> int:
+    return num_warps * 32 * REGISTER_VALUES_PER_THREAD
+
+
+def grid_tiles(tiling: AxisTiling, full_sizes: dict[str, int]) -> int:
+    """How many programs the grid-tiled axes give each row tile (1: none is tiled)."""
+    return math.prod(-(-full_sizes[a] // tiling.block(a)) for a in tiling.grid)
+
+
+def check_fits(tiling: AxisTiling, program: Program, block_row: int, num_warps: int) -> None:
+    """Refuse a tiled plan whose loop state cannot live in registers (checked before lowering).
+    Plans that hold every axis whole are left to the schedule as before."""
+    if not tiling.tiled:
+        return
+    blocks = dict(tiling.blocks)
+    values = _state_values(program, blocks, block_row)
+    budget = _register_budget(num_warps)
+    if values > budget:
+        raise UnsupportedProgramError(
+            "tile planning", program.name, "loop state",
+            f"the fused loop keeps {values} fp32 values per program (blocks {blocks}); {num_warps} warps hold "
+            f"at most {budget}")

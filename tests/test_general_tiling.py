@@ -1,0 +1,304 @@
+"""The tile layer beyond attention's shape, under the interpreter, each against the reference executor.
+
+Axes too long to hold whole are tiled across the grid (a matmul's output axis) or walked by an
+inner loop (a long contraction); a reduction to a single value lowers with a row axis of extent
+1 and split-K; a program whose reductions cannot share one loop runs as several kernels. None of
+the programs is known to the compiler by name.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import neptune_fusion as nf  # noqa: E402
+from neptune_fusion.runtime.compiled import Compiled  # noqa: E402
+from neptune_fusion.schedule.partition import partition, why_apart  # noqa: E402
+from neptune_fusion.schedule.pipeline import fuse  # noqa: E402
+from neptune_fusion.schedule.tiles import MAX_WHOLE, choose_tiling  # noqa: E402
+from neptune_fusion.tile.lower import assign_roles  # noqa: E402
+from neptune_fusion.transform.layout import UNIT_ROW, needs_unit_row, with_unit_row  # noqa: E402
+
+TOL = {torch.float32: 2e-4, torch.float16: 2e-2}
+
+
+@nf.program
+def rmsnorm_matmul(x, w):
+    r = nf.sqrt((x * x).sum(axis=-1, keepdims=True) / x.shape[-1] + 1e-6)
+    return nf.einsum("ik,ke->ie", x / r, w)
+
+
+@nf.program
+def layernorm_matmul(x, w):
+    mean = x.sum(axis=-1, keepdims=True) / x.shape[-1]
+    var = ((x - mean) * (x - mean)).sum(axis=-1, keepdims=True) / x.shape[-1]
+    return nf.einsum("ik,ke->ie", (x - mean) / nf.sqrt(var + 1e-5), w)
+
+
+@nf.program
+def linear_logsumexp(h, w):
+    s = nf.einsum("id,vd->iv", h, w)
+    m = s.max(axis=-1, keepdims=True)
+    return (m + nf.log(nf.exp(s - m).sum(axis=-1, keepdims=True)))[..., 0]
+
+
+@nf.program
+def linear_cross_entropy(h, w, target):
+    s = nf.einsum("id,vd->iv", h, w)
+    m = s.max(axis=-1, keepdims=True)
+    lse = (m + nf.log(nf.exp(s - m).sum(axis=-1, keepdims=True)))[..., 0]
+    return lse - s[nf.index(lse, 0), target]
+
+
+@nf.program
+def softmax_1d(x):
+    e = nf.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+@nf.program
+def logsumexp_rows(x):
+    m = x.max(axis=-1, keepdims=True)
+    return (m + nf.log(nf.exp(x - m).sum(axis=-1, keepdims=True)))[..., 0]
+
+
+@nf.program
+def softmax_then_column_sum(x):
+    e = nf.exp(x - x.max(axis=-1, keepdims=True))
+    return (e / e.sum(axis=-1, keepdims=True)).sum(axis=0)
+
+
+@nf.program
+def column_normalised_softmax(x):
+    y = x / (x * x).sum(axis=0, keepdims=True)
+    e = nf.exp(y - y.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+@nf.program
+def attention(q, k, v, scale):
+    s = nf.einsum("bhqd,bhkd->bhqk", q, k) * scale
+    p = nf.exp(s - s.max(axis=-1, keepdims=True))
+    return nf.einsum("bhqk,bhkd->bhqd", p, v) / p.sum(axis=-1, keepdims=True)
+
+
+def _check(prog, args: tuple, dtype: torch.dtype = torch.float32, **kwargs) -> Compiled:
+    """Compile and run `prog`, compare with the reference executor on the fp32 inputs."""
+    fn = nf.compile(prog, **kwargs)
+    cast = tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+    out = fn(*cast)
+    traced = prog.trace(*args)
+    ref = nf.run_reference(traced, dict(prog.bind(*args)))
+    outs, refs = (out, ref) if isinstance(out, tuple) else ((out,), (ref,))
+    for o, r in zip(outs, refs):
+        assert o.shape == r.shape
+        torch.testing.assert_close(o.float(), r.float(), rtol=TOL[dtype], atol=TOL[dtype])
+    return fn
+
+
+def _kernels(fn: Compiled) -> list:
+    exe = next(iter(fn._cache.values()))
+    return [k for k in (exe.main, exe.combine) if k is not None]
+
+
+def test_tiling_decisions_come_from_sizes_and_uses(randn):
+    """Short axes stay whole (attention unchanged); a long output axis is tiled across the grid; a
+    long contraction gets an inner loop."""
+    fused = fuse(attention.trace(randn(1, 2, 64, 64), randn(1, 2, 64, 64), randn(1, 2, 64, 64), 0.1))[-1].program
+    whole = choose_tiling(fused, {"d": 128, "d2": 128}, 64, 64)
+    assert not whole.tiled and whole.block("d") == 128
+    tiled = choose_tiling(fused, {"d": 2048, "d2": 4096}, 128, 64)
+    assert tiled.loops == ("d",) and tiled.grid == ("d2",)
+    assert tiled.block("d") <= 64 and tiled.block("d2") <= 128
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("prog", [rmsnorm_matmul, layernorm_matmul], ids=["rmsnorm", "layernorm"])
+def test_norm_then_matmul_with_long_axes(prog, dtype, randn):
+    """(x normalised over k) @ W with k and the output axis e both above 512: e across the grid."""
+    fn = _check(prog, (randn(16, 576), randn(576, 640, scale=0.05)), dtype)
+    main = _kernels(fn)[0].tile
+    assert main.tiled_axes == ("e",)
+    assert any("tiled across the grid" in n for n in main.notes)
+
+
+@pytest.mark.parametrize("schedule", [nf.flash(), nf.split_k(splits=3)], ids=["flash", "split_k"])
+def test_norm_then_matmul_one_pass_or_split(schedule, randn):
+    """The same with each template: the grid tiles rows and e; under split-K the combine's grid
+    tiles e too."""
+    fn = _check(rmsnorm_matmul, (randn(40, 600), randn(600, 700, scale=0.05)), schedule=schedule)
+    kernels = _kernels(fn)
+    assert len(kernels) == (2 if isinstance(schedule, nf.SplitK) else 1)
+    assert all(k.tile.tiled_axes == ("e",) for k in kernels)
+
+
+def test_batched_norm_then_matmul_and_narrowed_grid_tiles(randn):
+    """A batch axis and a grid-tiled axis share the grid's second axis; with several accumulators
+    over the tiled axis its tiles are narrowed until the loop state fits in registers."""
+
+    @nf.program
+    def two_matmuls(x, w, u):
+        r = nf.sqrt((x * x).sum(axis=-1, keepdims=True) / x.shape[-1] + 1e-6)
+        return nf.einsum("bik,bke->bie", x / r, w), nf.einsum("bik,bke->bie", x, u)
+
+    x, w, u = randn(2, 24, 300), randn(2, 300, 700, scale=0.05), randn(2, 300, 700, scale=0.05)
+    fused = fuse(two_matmuls.trace(x, w, u))[-1].program
+    wide = choose_tiling(fused, {"e": 700}, 128, 64, num_warps=8)
+    narrow = choose_tiling(fused, {"e": 700}, 128, 64, num_warps=1)
+    assert wide.grid == narrow.grid == ("e",) and narrow.block("e") < wide.block("e")
+    _check(two_matmuls, (x, w, u), schedule=nf.flash())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_linear_logsumexp_with_long_model_dim(dtype, randn):
+    """logsumexp_v(H W^T): each score tile is an inner loop over d (640) inside the loop over v."""
+    fn = _check(linear_logsumexp, (randn(8, 640, scale=0.2), randn(1100, 640, scale=0.2)), dtype)
+    source = _kernels(fn)[0].source
+    assert "inner loop over 'd'" in source
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_linear_cross_entropy_gathered_target(dtype, randn, randint):
+    """lse - logit[target]: the target's logit is an inner loop over d beside the loop over v."""
+    fn = _check(linear_cross_entropy,
+                (randn(8, 640, scale=0.2), randn(1100, 640, scale=0.2), randint(0, 1100, 8)), dtype)
+    assert all(k.tile.tiled_axes == ("d",) for k in _kernels(fn))
+
+
+@pytest.mark.parametrize("schedule", [None, nf.flash()], ids=["auto", "flash"])
+def test_probabilities_of_a_linear_layer(schedule, randn):
+    """softmax_v(H W^T) as an output: the second pass over v recomputes each score tile with its
+    own inner loop over d (in the split-K combine under auto, in the one kernel under flash)."""
+
+    @nf.program
+    def linear_softmax(h, w):
+        s = nf.einsum("id,vd->iv", h, w)
+        e = nf.exp(s - s.max(axis=-1, keepdims=True))
+        return e / e.sum(axis=-1, keepdims=True)
+
+    h, w = randn(8, 640, scale=0.2), randn(300, 640, scale=0.2)
+    torch.testing.assert_close(nf.compile(linear_softmax, schedule=schedule)(h, w), torch.softmax(h @ w.T, -1),
+                               rtol=1e-4, atol=1e-6)
+
+
+def test_softmax_over_one_row_of_100k(randn):
+    """A softmax whose max and sum are single values: a row axis of extent 1 and split-K."""
+    x = randn(100_000, scale=3.0)
+    fn = nf.compile(softmax_1d)
+    torch.testing.assert_close(fn(x), torch.softmax(x, -1), rtol=1e-4, atol=1e-8)
+    exe = next(iter(fn._cache.values()))
+    assert exe.plan.splits > 1
+    assert UNIT_ROW in exe.main.program.derived_axes
+
+
+@pytest.mark.parametrize("shape", [(100_000,), (1, 100_000)], ids=["single-value", "one-row"])
+def test_logsumexp_of_one_row_of_100k(shape, randn):
+    """Over a vector the logsumexp is a 0-d output; over a matrix of one row, a row of extent 1."""
+    x = randn(*shape, scale=3.0)
+    out = nf.compile(logsumexp_rows)(x)
+    assert out.shape == x.shape[:-1]
+    torch.testing.assert_close(out, torch.logsumexp(x, -1), rtol=1e-5, atol=1e-5)
+
+
+def test_max_over_everything(randn):
+    """The max of a matrix: a max over columns per row, then over the rows as a single value (a
+    second kernel, with a row axis of extent 1)."""
+
+    @nf.program
+    def total_max(x):
+        return x.max(axis=-1).max(axis=-1)
+
+    x = randn(60, 300)
+    fn = nf.compile(total_max)
+    out = fn(x)
+    assert out.shape == ()
+    torch.testing.assert_close(out, x.max())
+    assert any(len(exe.groups) == 2 for exe in fn._cache.values())
+
+
+def test_unit_row_translation_validation(randn):
+    x = randn(300)
+    fused = fuse(softmax_1d.trace(x))[-2].program
+    assert needs_unit_row(fused)
+    with_row = with_unit_row(fused)
+    assert assign_roles(with_row).row == UNIT_ROW
+    torch.testing.assert_close(nf.run_reference(with_row, {"x": x}), nf.run_reference(fused, {"x": x}))
+
+
+def _run_groups(groups, args: dict) -> list:
+    """The groups run one after the other by the reference executor."""
+    known = dict(args)
+    for group in groups:
+        names = [b.name for b in group.program.inputs] + list(group.program.params)
+        out = nf.run_reference(group.program, {n: known[n] for n in names})
+        known.update(zip(group.results, out if isinstance(out, tuple) else (out,)))
+    return [known[f"output:{j}"] for j in range(sum(r.startswith("output:") for g in groups for r in g.results))]
+
+
+@pytest.mark.parametrize("prog", [softmax_then_column_sum, column_normalised_softmax], ids=["after", "before"])
+def test_partition_translation_validation(prog, randn):
+    x = randn(24, 40)
+    program = prog.trace(x)
+    assert why_apart(program) is not None
+    groups = partition(program)
+    assert len(groups) == 2
+    torch.testing.assert_close(_run_groups(groups, {"x": x})[0], nf.run_reference(program, {"x": x}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("prog", [softmax_then_column_sum, column_normalised_softmax], ids=["after", "before"])
+def test_program_that_needs_two_kernels(prog, dtype, randn):
+    """A reduction over the rows the main loop tiles across programs: two kernels run in order,
+    the reductions between them materialised in fp32."""
+    fn = _check(prog, (randn(40, 70, scale=2.0),), dtype)
+    exe = next(e for e in fn._cache.values() if e.groups)
+    assert len(exe.groups) == 2
+
+
+def test_a_reduction_over_a_held_axis_stays_in_the_kernel(randn):
+    """Summing attention's output over its head dim needs no second kernel: the head dim is held
+    whole in each program's tile."""
+
+    @nf.program
+    def attention_row_sums(q, k, v, scale):
+        return attention.fn(q, k, v, scale).sum(axis=-1)
+
+    q, k, v = randn(1, 2, 40, 32), randn(1, 2, 50, 32), randn(1, 2, 50, 16)
+    assert why_apart(attention_row_sums.trace(q, k, v, 0.3)) is None
+    fn = _check(attention_row_sums, (q, k, v, 0.3))
+    assert not any(exe.groups for exe in fn._cache.values())
+
+
+def test_attention_with_a_long_head_dim(randn):
+    """Attention with head dims above 512: the scores' contraction over d is an inner loop and the
+    output's e axis is tiled across the grid (the softmax recomputed per tile of e)."""
+    q, k, v = randn(1, 1, 20, 600, scale=0.1), randn(1, 1, 50, 600, scale=0.1), randn(1, 1, 50, 520)
+    fn = _check(attention, (q, k, v, 0.05), schedule=nf.flash())
+    assert set(_kernels(fn)[0].tile.tiled_axes) == {"d", "d2"}
+
+
+def test_an_axis_both_reduced_and_stored_is_refused(randn):
+    @nf.program
+    def lse_and_scaled(h, w):
+        s = nf.einsum("id,vd->iv", h, w)
+        m = s.max(axis=-1, keepdims=True)
+        lse = m + nf.log(nf.exp(s - m).sum(axis=-1, keepdims=True))
+        return h * lse
+
+    with pytest.raises(nf.FusionError, match=r"\[tile planning\].*'d'.*both reduced"):
+        nf.compile(lse_and_scaled)(randn(8, MAX_WHOLE + 8), randn(40, MAX_WHOLE + 8))
+
+
+def test_explain_prints_every_kernel_of_a_partitioned_program(randn):
+    text = nf.explain(softmax_then_column_sum, randn(12, 20))
+    assert "kernel 2 of 2" in text and "inner loop" not in text
+
+
+def test_autotune_leaves_a_partitioned_program_to_its_groups_schedules(randn):
+    x = randn(20, 30)
+    out = nf.compile(softmax_then_column_sum, schedule=nf.autotune())(x)
+    torch.testing.assert_close(out, torch.softmax(x, -1).sum(0))
