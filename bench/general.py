@@ -1,0 +1,112 @@
+# ruff: noqa: B023 - every closure is timed right where it is made
+"""Reduction chains that are not attention, at the sizes of issue #12, on the H200: each checked
+against fp32 torch on random inputs and timed beside torch.compile of the same plain code.
+
+    python bench/general.py          (GPU machine; writes $OUT/general.json)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+import neptune_fusion as nf
+from bench.common import bench, environment, rel_err, warm_up_gpu, write_results
+
+DEVICE = "cuda"
+
+
+@nf.program
+def rmsnorm_matmul(x, w):
+    r = nf.sqrt((x * x).sum(axis=-1, keepdims=True) / x.shape[-1] + 1e-6)
+    return nf.einsum("ik,ke->ie", x / r, w)
+
+
+@nf.program
+def layernorm_matmul(x, w):
+    mean = x.sum(axis=-1, keepdims=True) / x.shape[-1]
+    var = ((x - mean) * (x - mean)).sum(axis=-1, keepdims=True) / x.shape[-1]
+    return nf.einsum("ik,ke->ie", (x - mean) / nf.sqrt(var + 1e-5), w)
+
+
+@nf.program
+def linear_cross_entropy(h, w, target):
+    s = nf.einsum("id,vd->iv", h, w)
+    m = s.max(axis=-1, keepdims=True)
+    lse = (m + nf.log(nf.exp(s - m).sum(axis=-1, keepdims=True)))[..., 0]
+    return lse - s[nf.index(lse, 0), target]
+
+
+@nf.program
+def softmax_pooling(x, v):
+    p = nf.exp(x - x.max(axis=-1, keepdims=True))
+    return nf.einsum("ij,ij->i", p, v) / p.sum(axis=-1)
+
+
+def torch_rmsnorm_matmul(x, w):
+    return (x.float() / torch.sqrt((x.float() ** 2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) @ w
+
+
+def torch_layernorm_matmul(x, w):
+    xf = x.float()
+    return ((xf - xf.mean(-1, keepdim=True)) / torch.sqrt(xf.var(-1, unbiased=False, keepdim=True) + 1e-5)).to(x.dtype) @ w
+
+
+def torch_linear_cross_entropy(h, w, target):
+    return torch.nn.functional.cross_entropy((h @ w.T).float(), target, reduction="none")
+
+
+def torch_softmax_pooling(x, v):
+    return (torch.softmax(x.float(), -1) * v.float()).sum(-1)
+
+
+def cases() -> list[tuple[str, Any, Callable, tuple]]:
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+
+    def randn(*shape, dtype=torch.float16, scale=1.0):
+        return torch.randn(*shape, generator=g, device=DEVICE, dtype=torch.float32).mul_(scale).to(dtype)
+
+    x, w = randn(8192, 4096), randn(4096, 4096, scale=4096 ** -0.5)
+    h, wv = randn(8192, 4096, dtype=torch.bfloat16), randn(128256, 4096, dtype=torch.bfloat16, scale=0.02)
+    target = torch.randint(0, 128256, (8192,), device=DEVICE, generator=g)
+    xs, vs = randn(16384, 8192), randn(16384, 8192)
+    return [("rmsnorm_matmul", rmsnorm_matmul, torch_rmsnorm_matmul, (x, w)),
+            ("layernorm_matmul", layernorm_matmul, torch_layernorm_matmul, (x, w)),
+            ("linear_cross_entropy", linear_cross_entropy, torch_linear_cross_entropy, (h, wv, target)),
+            ("softmax_pooling", softmax_pooling, torch_softmax_pooling, (xs, vs))]
+
+
+def main() -> None:
+    warm_up_gpu()
+    rows = []
+    for name, prog, plain, args in cases():
+        row: dict[str, Any] = {"case": name, "shapes": [list(a.shape) for a in args]}
+        try:
+            with torch.no_grad():
+                ref = plain(*(a.float() if a.is_floating_point() else a for a in args)).float()
+                fn = nf.compile(prog)
+                torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated()
+                out = fn(*args)
+                torch.cuda.synchronize()
+                row["peak_extra_bytes"] = torch.cuda.max_memory_allocated() - before
+                row["rel_err_vs_fp32"] = rel_err(out.float(), ref)
+                row["nf_us"] = bench(lambda: fn(*args))
+                compiled = torch.compile(plain)
+                compiled(*args)
+                row["torch_compile_us"] = bench(lambda: compiled(*args))
+                row["speedup_vs_torch_compile"] = row["torch_compile_us"] / row["nf_us"]
+                exe = next(iter(fn._cache.values()))
+                row["plan"] = str(exe.plan)
+                row["kernels"] = 1 + (exe.combine is not None) + len(getattr(exe, "groups", ()) or ())
+        except Exception as exc:  # noqa: BLE001 - a failure is the finding
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:600]}"
+        print(row, flush=True)
+        rows.append(row)
+        torch.cuda.empty_cache()
+    print("wrote", write_results("general", {"environment": environment(), "results": rows}))
+
+
+if __name__ == "__main__":
+    main()
