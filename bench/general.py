@@ -13,35 +13,9 @@ import torch
 
 import neptune_fusion as nf
 from bench.common import bench, environment, rel_err, warm_up_gpu, write_results
+from neptune_fusion.library import layernorm_matmul, linear_cross_entropy, rmsnorm_matmul, softmax_pooling
 
 DEVICE = "cuda"
-
-
-@nf.program
-def rmsnorm_matmul(x, w):
-    r = nf.sqrt((x * x).sum(axis=-1, keepdims=True) / x.shape[-1] + 1e-6)
-    return nf.einsum("ik,ke->ie", x / r, w)
-
-
-@nf.program
-def layernorm_matmul(x, w):
-    mean = x.sum(axis=-1, keepdims=True) / x.shape[-1]
-    var = ((x - mean) * (x - mean)).sum(axis=-1, keepdims=True) / x.shape[-1]
-    return nf.einsum("ik,ke->ie", (x - mean) / nf.sqrt(var + 1e-5), w)
-
-
-@nf.program
-def linear_cross_entropy(h, w, target):
-    s = nf.einsum("id,vd->iv", h, w)
-    m = s.max(axis=-1, keepdims=True)
-    lse = (m + nf.log(nf.exp(s - m).sum(axis=-1, keepdims=True)))[..., 0]
-    return lse - s[nf.index(lse, 0), target]
-
-
-@nf.program
-def softmax_pooling(x, v):
-    p = nf.exp(x - x.max(axis=-1, keepdims=True))
-    return nf.einsum("ij,ij->i", p, v) / p.sum(axis=-1)
 
 
 def torch_rmsnorm_matmul(x, w):

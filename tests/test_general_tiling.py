@@ -16,6 +16,15 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import neptune_fusion as nf  # noqa: E402
+from neptune_fusion.library import (  # noqa: E402
+    attention,
+    layernorm_matmul,
+    linear_cross_entropy,
+    linear_logsumexp,
+    rmsnorm_matmul,  # noqa: E402
+)
+from neptune_fusion.library import logsumexp as logsumexp_rows  # noqa: E402
+from neptune_fusion.library import softmax as softmax_1d  # noqa: E402
 from neptune_fusion.runtime.compiled import Compiled  # noqa: E402
 from neptune_fusion.schedule.partition import partition, why_apart  # noqa: E402
 from neptune_fusion.schedule.pipeline import fuse  # noqa: E402
@@ -24,46 +33,6 @@ from neptune_fusion.tile.lower import assign_roles  # noqa: E402
 from neptune_fusion.transform.layout import UNIT_ROW, needs_unit_row, with_unit_row  # noqa: E402
 
 TOL = {torch.float32: 2e-4, torch.float16: 2e-2}
-
-
-@nf.program
-def rmsnorm_matmul(x, w):
-    r = nf.sqrt((x * x).sum(axis=-1, keepdims=True) / x.shape[-1] + 1e-6)
-    return nf.einsum("ik,ke->ie", x / r, w)
-
-
-@nf.program
-def layernorm_matmul(x, w):
-    mean = x.sum(axis=-1, keepdims=True) / x.shape[-1]
-    var = ((x - mean) * (x - mean)).sum(axis=-1, keepdims=True) / x.shape[-1]
-    return nf.einsum("ik,ke->ie", (x - mean) / nf.sqrt(var + 1e-5), w)
-
-
-@nf.program
-def linear_logsumexp(h, w):
-    s = nf.einsum("id,vd->iv", h, w)
-    m = s.max(axis=-1, keepdims=True)
-    return (m + nf.log(nf.exp(s - m).sum(axis=-1, keepdims=True)))[..., 0]
-
-
-@nf.program
-def linear_cross_entropy(h, w, target):
-    s = nf.einsum("id,vd->iv", h, w)
-    m = s.max(axis=-1, keepdims=True)
-    lse = (m + nf.log(nf.exp(s - m).sum(axis=-1, keepdims=True)))[..., 0]
-    return lse - s[nf.index(lse, 0), target]
-
-
-@nf.program
-def softmax_1d(x):
-    e = nf.exp(x - x.max(axis=-1, keepdims=True))
-    return e / e.sum(axis=-1, keepdims=True)
-
-
-@nf.program
-def logsumexp_rows(x):
-    m = x.max(axis=-1, keepdims=True)
-    return (m + nf.log(nf.exp(x - m).sum(axis=-1, keepdims=True)))[..., 0]
 
 
 @nf.program
@@ -77,13 +46,6 @@ def column_normalised_softmax(x):
     y = x / (x * x).sum(axis=0, keepdims=True)
     e = nf.exp(y - y.max(axis=-1, keepdims=True))
     return e / e.sum(axis=-1, keepdims=True)
-
-
-@nf.program
-def attention(q, k, v, scale):
-    s = nf.einsum("bhqd,bhkd->bhqk", q, k) * scale
-    p = nf.exp(s - s.max(axis=-1, keepdims=True))
-    return nf.einsum("bhqk,bhkd->bhqd", p, v) / p.sum(axis=-1, keepdims=True)
 
 
 def _check(prog, args: tuple, dtype: torch.dtype = torch.float32, **kwargs) -> Compiled:

@@ -10,7 +10,7 @@ Example:
 
 from __future__ import annotations
 
-from neptune_fusion.lang.ops import einsum, exp, index, inf, log, where
+from neptune_fusion.lang.ops import einsum, exp, index, inf, log, sqrt, where
 from neptune_fusion.lang.trace import program
 
 
@@ -43,3 +43,42 @@ def logsumexp(x):
     """log(sum(exp(x))) over the last axis, computed stably."""
     m = x.max(axis=-1, keepdims=True)
     return (m + log(exp(x - m).sum(axis=-1, keepdims=True)))[..., 0]
+
+
+@program
+def rmsnorm_matmul(x, w):
+    """RMSNorm over the last axis of `x`, then `@ w`."""
+    r = sqrt((x * x).sum(axis=-1, keepdims=True) / x.shape[-1] + 1e-6)
+    return einsum("ik,ke->ie", x / r, w)
+
+
+@program
+def layernorm_matmul(x, w):
+    """LayerNorm (no affine) over the last axis of `x`, then `@ w`."""
+    mean = x.sum(axis=-1, keepdims=True) / x.shape[-1]
+    var = ((x - mean) * (x - mean)).sum(axis=-1, keepdims=True) / x.shape[-1]
+    return einsum("ik,ke->ie", (x - mean) / sqrt(var + 1e-5), w)
+
+
+@program
+def linear_logsumexp(h, w):
+    """logsumexp over the vocabulary of `h @ w^T` (the normaliser of a linear cross-entropy)."""
+    s = einsum("id,vd->iv", h, w)
+    m = s.max(axis=-1, keepdims=True)
+    return (m + log(exp(s - m).sum(axis=-1, keepdims=True)))[..., 0]
+
+
+@program
+def linear_cross_entropy(h, w, target):
+    """Cross-entropy of `h @ w^T` against integer targets, per row, without the logits in memory."""
+    s = einsum("id,vd->iv", h, w)
+    m = s.max(axis=-1, keepdims=True)
+    lse = (m + log(exp(s - m).sum(axis=-1, keepdims=True)))[..., 0]
+    return lse - s[index(lse, 0), target]
+
+
+@program
+def softmax_pooling(x, v):
+    """Per row, the softmax of `x` as weights of a mean of `v`."""
+    p = exp(x - x.max(axis=-1, keepdims=True))
+    return einsum("ij,ij->i", p, v) / p.sum(axis=-1)

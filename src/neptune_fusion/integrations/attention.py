@@ -446,7 +446,6 @@ def clear_cache() -> None:
     _programs.clear()
     _compiled.clear()
     _fast.clear()
-    _plain_requests.clear()
 
 
 def _remember(cache: OrderedDict[Any, Any], key: Any, value: Any, limit: int) -> None:
@@ -625,8 +624,9 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: _Request, e
         _check_grad(q, k, v, request, extras, keyed[1].tensors, keyed[1].paths)
     call = _resolve(q, k, v, request, extras, scale, groups, keyed, found)
     args = tuple(call.args.values())
-    run = _compiled_for(call, request.schedule).launcher_for(args)
-    result = run(args)
+    compiled = _compiled_for(call, request.schedule)
+    result = compiled.launcher_for(args)(args)
+    run = compiled.launcher_for(args)  # after the first launch: the launcher itself (see launcher_for)
     entry = _programs.get(call.struct)
     if fast_key is not None and isinstance(entry, _Traced):  # not for entries keyed by tensor identity too
         assert keyed is not None
@@ -665,7 +665,6 @@ class _FastCall:
 
 
 _fast: OrderedDict[Any, _FastCall] = OrderedDict()
-_plain_requests: OrderedDict[Any, _Request] = OrderedDict()  # see attention()
 
 
 # --------------------------------------------------------------------------- torch.compile
@@ -891,20 +890,9 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score
         >>> q = k = v = torch.randn(1, 8, 16, 16)
         >>> out = nf.attention(q, k, v, score_mod=alibi, mask_mod=causal)   # doctest: +SKIP
     """
-    # (torch.compile traces the general path: its op keys the request itself)
-    plain = block_mask is None and kernel_options is None and return_aux is None and not torch.compiler.is_compiling()
-    # a call with only functions and flags: its request is kept (holding the objects it is keyed by id on)
-    request = _plain_requests.get((id(score_mod), id(mask_mod), enable_gqa, return_lse, id(schedule))) if plain else None
-    if request is not None:
-        extras: tuple[torch.Tensor, ...] = ()
-        outputs = request.outputs
-    else:
-        outputs = _outputs_of(return_lse, return_aux)
-        request, extras = _request(query, key, score_mod, block_mask, mask_mod, enable_gqa, outputs,
-                                   _schedule_from(kernel_options, schedule))
-        if plain and request.builtins.block is None and request.mask_mod is mask_mod:
-            _remember(_plain_requests, (id(score_mod), id(mask_mod), enable_gqa, return_lse, id(schedule)), request,
-                      _MAX_PROGRAMS)
+    outputs = _outputs_of(return_lse, return_aux)
+    request, extras = _request(query, key, score_mod, block_mask, mask_mod, enable_gqa, outputs,
+                               _schedule_from(kernel_options, schedule))
     out, *stats = _call(query, key, value, request, extras, scale)
     if return_aux is not None:
         lse = stats.pop(0) if outputs.lse else None

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
+from triton import knobs
 from triton.runtime.errors import OutOfResources
 
 from neptune_fusion.algebra.repair import contribution_vanishes
@@ -709,58 +710,61 @@ class Compiled:
         key = tuple(map(_arg_key, args))
         run = self._launchers.get(key)
         if run is None:
-            run = self._prepare(dict(zip(self._names, args)))
+            run = self._until_launched(key, dict(zip(self._names, args)))
             self._launchers[key] = run
             if len(self._launchers) > MAX_LAUNCHERS:  # oldest first: a decode loop never returns to a length
                 del self._launchers[next(iter(self._launchers))]
         return run
 
-    def _prepare(self, named: dict[str, Any]) -> Callable[[Sequence[Any]], Any]:
-        """Trace, check, compile, and build the launcher for arguments like `named`."""
+    def _until_launched(self, key: tuple[Any, ...], named: dict[str, Any],
+                        plan: Plan | None = None) -> Callable[[Sequence[Any]], Any]:
+        """The launcher for `key` until its first call returns, which then puts the launcher itself
+        in its place. Triton compiles a kernel at its first launch; one that needs more shared
+        memory than the device has (the schedule's estimate counts the pipelined tiles, the
+        compiler's buffers can exceed it) is planned again smaller: fewer pipeline stages first,
+        then narrower loop tiles; a plan that cannot shrink re-raises."""
+        run, used = self._prepare(named, plan)
+
+        def first(values: Sequence[Any]) -> Any:
+            try:
+                out = run(values)
+            except OutOfResources as exc:
+                if used is None or (used.num_stages == 1 and used.block_col <= 16):
+                    raise
+                smaller = (replace(used, num_stages=used.num_stages - 1) if used.num_stages > 1
+                           else replace(used, block_col=used.block_col // 2))
+                warnings.warn(f"neptune_fusion: {self.program_def.name!r} with {used} does not fit the device "
+                              f"({exc}); compiling {smaller} instead", stacklevel=2)
+                again = self._until_launched(key, named, smaller)
+                self._launchers[key] = again
+                return again(values)
+            if self._launchers.get(key) is first:
+                self._launchers[key] = run
+            return out
+
+        return first
+
+    def _prepare(self, named: dict[str, Any], plan: Plan | None = None
+                 ) -> tuple[Callable[[Sequence[Any]], Any], Plan | None]:
+        """Trace, check, compile, and build the launcher for arguments like `named` (`plan`
+        overrides the schedule); with the plan it runs (None: unfused)."""
         program = self.program_def.trace(**named)
         order = list(named)
         try:
-            if isinstance(self.schedule, Autotune):
+            if plan is None and isinstance(self.schedule, Autotune):
                 from neptune_fusion.runtime.autotune import tune
 
                 exe = tune(self, program, named, order)
             else:
-                exe = self.executable_for(program, named)
+                exe = self.executable_for(program, named, plan)
         except FusionError as exc:
             if not self.allow_fallback:
                 raise
             warnings.warn(f"neptune_fusion: running {program.name!r} unfused: {exc}", stacklevel=3)
             self.fallback_reason = str(exc)
             dtype = next(named[b.name].dtype for b in program.inputs if named[b.name].is_floating_point())
-            return lambda values: run_reference(program, dict(zip(order, values)), out_dtype=dtype)
-        return self._fitting_launcher(exe, program, named, order)
-
-    def _fitting_launcher(self, exe: Executable, program: Program, example: dict[str, Any],
-                          order: list[str]) -> Callable[[Sequence[Any]], Any]:
-        """`_launcher`, falling back to a smaller plan when Triton, compiling a kernel at its first
-        launch, finds it needs more shared memory than the device has (the schedule's estimate
-        counts the pipelined tiles; the compiler's buffers can exceed it). Smaller means fewer
-        pipeline stages first, then narrower loop tiles; a plan that cannot shrink re-raises."""
-        current = [self._launcher(exe, program, example, order)]
-
-        def run(values: Sequence[Any]) -> Any:
-            try:
-                return current[0](values)
-            except OutOfResources as exc:
-                plan = exe.plan
-                if plan.num_stages > 1:
-                    smaller = replace(plan, num_stages=plan.num_stages - 1)
-                elif plan.block_col > 16:
-                    smaller = replace(plan, block_col=plan.block_col // 2)
-                else:
-                    raise
-                warnings.warn(f"neptune_fusion: {program.name!r} with {plan} does not fit the device ({exc}); "
-                              f"compiling {smaller} instead", stacklevel=2)
-                like = dict(zip(order, values))  # this call's arguments: the same layouts as the first
-                current[0] = self._fitting_launcher(self.executable_for(program, like, smaller), program, like, order)
-                return current[0](values)
-
-        return run
+            return (lambda values: run_reference(program, dict(zip(order, values)), out_dtype=dtype)), None
+        return self._launcher(exe, program, named, order), exe.plan
 
     def _launcher(self, exe: Executable, program: Program, example: dict[str, Any],
                   order: list[str]) -> Callable[[Sequence[Any]], Any]:
@@ -937,8 +941,7 @@ class _FastLaunch:
             self._first(slots)
             return
         stream = torch._C._cuda_getCurrentRawStream(self.device)
-        runtime = _knobs().runtime
-        enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+        enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
         gx, gy, gz = self.grid
         if self.direct is not None and not _hooked(enter) and not _hooked(leave):
             self.direct(gx, gy, gz, stream, k.function, self.cooperative, self.pdl, None, None, k.packed_metadata,
@@ -978,13 +981,6 @@ def _grid_code(expression: str) -> Any:
 def _hooked(hook: Any) -> bool:
     """Whether a Triton launch hook would do anything (a HookChain with no calls does nothing)."""
     return hook is not None and bool(getattr(hook, "calls", True))
-
-
-@functools.cache
-def _knobs() -> Any:
-    from triton import knobs
-
-    return knobs
 
 
 def _declared_dtype(body: Any, default: torch.dtype) -> torch.dtype:
