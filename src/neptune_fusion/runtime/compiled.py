@@ -764,7 +764,9 @@ class Compiled:
             self.fallback_reason = str(exc)
             dtype = next(named[b.name].dtype for b in program.inputs if named[b.name].is_floating_point())
             return (lambda values: run_reference(program, dict(zip(order, values)), out_dtype=dtype)), None
-        return self._launcher(exe, program, named, order), exe.plan
+        # a plan asked for that the executable does not run (a program of several kernels plans each
+        # of its own): nothing to shrink
+        return self._launcher(exe, program, named, order), exe.plan if plan in (None, exe.plan) else None
 
     def _launcher(self, exe: Executable, program: Program, example: dict[str, Any],
                   order: list[str]) -> Callable[[Sequence[Any]], Any]:
