@@ -177,18 +177,16 @@ def test_opcheck_on_the_registered_ops(attn_inputs):
     torch.library.opcheck(_program_op, ([x], [], [], program_handle))
 
 
-def test_grad_error_names_the_tensor(randn):
+def test_grad_inside_torch_compile_names_the_tensor(randn):
+    """Inside torch.compile the derived backward is not wired to the registered op yet: a call that
+    records gradients raises, naming the tensor, instead of returning a result without them."""
     x = randn(1, H, 24, 16)
     lin = torch.nn.Linear(16, 16)
-    with pytest.raises(RuntimeError, match="query requires grad.*no_grad"):
-        nf.attention(lin(x), x, x)  # a Linear before attention: the error, not a result without grad_fn
-    slopes = torch.ones(H, requires_grad=True)
-    with pytest.raises(RuntimeError, match="closure variable 'slopes' requires grad"):
-        nf.attention(x, x, x, score_mod=make_alibi(slopes))
+    compiled = torch.compile(lambda x: nf.attention(lin(x), x, x), backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match="query requires grad"):
+        compiled(x)
     with torch.no_grad():
-        nf.attention(lin(x), x, x, score_mod=make_alibi(slopes))  # forward-only is fine
-    with pytest.raises(RuntimeError, match="no backward yet"):
-        nf.compile(nf.program(lambda a: nf.exp(a).sum(axis=-1)))(lin(x[0, 0]))
+        torch.testing.assert_close(compiled(x), nf.attention(lin(x), x, x))  # forward-only is fine
 
 
 @pytest.mark.parametrize("lq", [1, 7, 40])

@@ -324,15 +324,20 @@ def test_attention_semantics() -> None:
 def test_output_attentions_and_gradients(llama: tuple[torch.nn.Module, torch.nn.Module],
                                          caplog: pytest.LogCaptureFixture) -> None:
     """output_attentions=True warns (once) and gives no weights, as transformers' sdpa does; a
-    forward that records gradients is refused (no backward yet) instead of silently cutting them."""
+    forward that records gradients gets gradients (the derived backward), equal to sdpa's."""
     _, ours = llama
     ids, mask = _inputs(True)
     with torch.no_grad(), caplog.at_level(logging.WARNING):
         out = ours(ids, attention_mask=mask, output_attentions=True)
     assert "attention weights" in caplog.text
     assert out.attentions is not None and all(a is None for a in out.attentions)
-    with pytest.raises(RuntimeError, match="no backward"):
-        ours(ids, attention_mask=mask)
+    sdpa_model, _ = llama
+    for model in (ours, sdpa_model):
+        model.zero_grad()
+        model(ids, attention_mask=mask).logits.float().square().mean().backward()
+    for (name, a), b in zip(ours.named_parameters(), sdpa_model.parameters()):
+        assert a.grad is not None, name
+        torch.testing.assert_close(a.grad, b.grad, atol=2e-4, rtol=2e-3, msg=name)
 
 
 def test_chunked_attention_config_is_refused() -> None:

@@ -10,6 +10,7 @@ Example:
     >>> fn = nf.compile(attention)   # then: out = fn(q, k, v, scale=0.088)
 """
 
+import neptune_fusion.integrations.autograd  # noqa: F401  (calls whose inputs require grad get the derived backward)
 import neptune_fusion.integrations.ops  # noqa: F401  (nf.compile'd calls inside torch.compile become one op)
 from neptune_fusion.integrations.attention import attention, attention_inputs, attention_program, explain_attention
 from neptune_fusion.ir.errors import FusionError, UnsupportedProgramError

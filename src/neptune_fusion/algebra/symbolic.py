@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -25,8 +26,11 @@ from neptune_fusion.ir.expr import (
     Cast,
     Const,
     Expr,
+    Index,
     Load,
+    Param,
     Running,
+    Size,
     Unary,
     Where,
     loads_of,
@@ -248,3 +252,80 @@ def exponent_of(node: sp.Expr) -> sp.Expr | None:
     if isinstance(node, sp.Pow) and not node.base.free_symbols and node.exp.free_symbols:
         return node.exp
     return None
+
+
+class ValueSymbols:
+    """Every load, index, parameter and size of a `where`-free expression as a SymPy symbol: the
+    view of a stage body as a function of the values it reads (used to differentiate it).
+
+    Example:
+        >>> from neptune_fusion.ir.expr import Index, Load, Unary
+        >>> values = ValueSymbols()
+        >>> x = Load("x", (Index("i"),))
+        >>> str(values.convert(Unary("exp", x) * x))
+        'x[i]*exp(x[i])'
+    """
+
+    def __init__(self) -> None:
+        self.symbols: dict[Expr, sp.Symbol] = {}
+        self.exprs: dict[sp.Symbol, Expr] = {}
+
+    def symbol(self, expr: Expr) -> sp.Symbol:
+        """The symbol standing for `expr` (a load, index, parameter or size)."""
+        from neptune_fusion.ir.printer import format_expr
+
+        if expr not in self.symbols:
+            sym = sp.Symbol(format_expr(expr), real=True)
+            if sym in self.exprs:  # equal text, different expression (3 and 3.0): keep them apart
+                sym = sp.Symbol(f"{sym.name}#{len(self.exprs)}", real=True)
+            self.symbols[expr] = sym
+            self.exprs[sym] = expr
+        return self.symbols[expr]
+
+    def convert(self, expr: Expr) -> sp.Expr:
+        """`expr` as a SymPy expression; raises NotAlgebraic for a `where` or a comparison."""
+        if isinstance(expr, Const):
+            if isinstance(expr.value, bool):
+                raise NotAlgebraic("a boolean constant in arithmetic")
+            return number(expr.value) if math.isfinite(expr.value) else (sp.oo if expr.value > 0 else -sp.oo)
+        if isinstance(expr, Cast):
+            return self.convert(expr.x)
+        if isinstance(expr, Unary) and expr.op in _UNARY:
+            return _UNARY[expr.op](self.convert(expr.x))
+        if isinstance(expr, Binary) and expr.op in _BINARY:
+            return _BINARY[expr.op](self.convert(expr.a), self.convert(expr.b))
+        if isinstance(expr, (Load, Index, Param, Size)):
+            return self.symbol(expr)
+        raise NotAlgebraic(f"operation {getattr(expr, 'op', type(expr).__name__)!r} in a differentiated value")
+
+
+def directional_derivative(value: sp.Expr, motion: dict[sp.Symbol, sp.Expr]) -> sp.Expr:
+    """The derivative of `value` when each symbol `s` of `motion` moves at rate `motion[s]`."""
+    return sp.Add(*(sp.diff(value, s) * rate for s, rate in motion.items() if value.has(s)))
+
+
+def ratio(value: sp.Expr, reference: sp.Expr) -> sp.Expr | None:
+    """`value / reference` simplified, or None where `reference` is 0 (no ratio to speak of)."""
+    if is_zero(reference):
+        return None
+    return sp.simplify(value / reference)
+
+
+def solve_for(expr: Expr, unknown: Expr, value: Expr) -> Expr | None:
+    """The expression for `unknown` that makes `expr` equal `value` (both IR), or None when SymPy
+    finds no unique solution: `solve_for(u / l, u, o)` is `o * l`."""
+    values = ValueSymbols()
+    try:
+        lhs = values.convert(expr)
+    except NotAlgebraic:
+        return None
+    target, result = values.symbol(unknown), values.symbol(value)
+    if not lhs.has(target):
+        return None
+    solutions = sp.solve(sp.Eq(lhs, result), target, dict=False)
+    if len(solutions) != 1:
+        return None
+    try:
+        return from_sympy(sp.sympify(solutions[0]), SymbolTable(opaque=dict(values.symbols)))
+    except NotAlgebraic:
+        return None

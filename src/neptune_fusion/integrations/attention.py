@@ -590,23 +590,35 @@ def _compiled_for(call: _Call, schedule: Schedule | None) -> Compiled:
     return compiled
 
 
+def _needs_grad(tensors: Sequence[torch.Tensor]) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def _check_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: _Request,
                 extras: tuple[torch.Tensor, ...], captured: list[torch.Tensor], paths: tuple[Path, ...] | list[Path],
                 names: tuple[str, ...] | None = None) -> None:
-    """No silent gradient-free results: the kernels have no backward yet."""
-    if not torch.is_grad_enabled():
-        return
+    """Inside torch.compile the derived backward is not wired to the registered op yet: a call
+    that records gradients there raises instead of returning a result without them."""
     tensors = [q, k, v, *captured, *extras]
-    if not any(t.requires_grad for t in tensors):
+    if not _needs_grad(tensors):
         return
     if names is None:
         names = _capture_names(request, paths)
     labels = ["query", "key", "value", *names, *_extra_names(request.builtins)]
     what = next(label for label, t in zip(labels, tensors) if t.requires_grad)
     raise RuntimeError(
-        f"neptune_fusion attention has no backward yet, but {what} requires grad: its result would silently "
-        f"carry no gradient. Make the call forward-only (run it under `torch.no_grad()` or "
-        f"`torch.inference_mode()`, or pass detached tensors), or use torch's flex_attention to train.")
+        f"neptune_fusion attention inside torch.compile has no backward yet, but {what} requires grad: its "
+        f"result would silently carry no gradient. Call nf.attention outside torch.compile to train, or make "
+        f"the call forward-only (`torch.no_grad()`, `torch.inference_mode()`, or detached tensors).")
+
+
+def _run_with_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: _Request,
+                   extras: tuple[torch.Tensor, ...], scale: float, groups: int) -> tuple[torch.Tensor, ...]:
+    """An eager call that records gradients: the program's derived backward (integrations/autograd.py)
+    takes q, k, v and every captured tensor that requires grad."""
+    call = _resolve(q, k, v, request, extras, scale, groups)
+    result = _compiled_for(call, request.schedule)(**call.args)
+    return result if isinstance(result, tuple) else (result,)
 
 
 def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: _Request, extras: tuple[torch.Tensor, ...],
@@ -621,7 +633,8 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: _Request, e
         return (out, *(stat.clone() for _ in range(sum(request.outputs))))
     if found is None:  # an eager call (torch.compile checks before its op)
         keyed = _keys(request)
-        _check_grad(q, k, v, request, extras, keyed[1].tensors, keyed[1].paths)
+        if _needs_grad([q, k, v, *keyed[1].tensors, *extras]):
+            return _run_with_grad(q, k, v, request, extras, scale, groups)
     call = _resolve(q, k, v, request, extras, scale, groups, keyed, found)
     args = tuple(call.args.values())
     compiled = _compiled_for(call, request.schedule)
@@ -846,8 +859,7 @@ def _call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: _Request, 
     fast_key = (id(request.score_mod), id(request.mask_mod), request[2:], scale, tensor_layout(q), tensor_layout(k),
                 tensor_layout(v), *map(tensor_layout, extras))
     hit = _fast.get(fast_key)
-    if hit is not None and hit.valid(request):
-        _check_grad(q, k, v, request, extras, hit.walk.tensors, hit.walk.paths)
+    if hit is not None and hit.valid(request) and not _needs_grad([q, k, v, *hit.walk.tensors]):
         return hit.launch(q, k, v, [*hit.walk.tensors, *extras])
     groups, checked = _check_inputs(q, k, v, request.score_mod, scale, request.enable_gqa)
     return _run(q, k, v, request, extras, checked, groups, fast_key=fast_key)

@@ -266,6 +266,32 @@ class ProgramDef:
         return _EAGER_EXECUTOR(prog, dict(named))
 
 
+class FixedProgram(ProgramDef):
+    """A Program already built (by a transform, not traced): its inputs then its parameters are
+    the call's arguments, by name or in that order.
+
+    Example:
+        >>> import torch
+        >>> from neptune_fusion.library import softmax
+        >>> fixed = FixedProgram(softmax.trace(torch.randn(2, 3)))
+        >>> list(fixed.signature.parameters)
+        ['x']
+    """
+
+    def __init__(self, prog: Program) -> None:
+        names = [b.name for b in prog.inputs] + list(prog.params)
+        self.fn = None
+        self.name = prog.name
+        self.signature = inspect.Signature(
+            [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names])
+        self.__doc__ = f"the program {prog.name!r}"
+        self.program = prog
+        self._cache = {}
+
+    def trace_specs(self, specs: tuple[ArgSpec, ...]) -> Program:
+        return self.program
+
+
 _EAGER_EXECUTOR: Callable[[Program, dict[str, Any]], Any] | None = None
 
 

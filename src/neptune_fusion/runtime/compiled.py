@@ -281,15 +281,13 @@ def _tma_buffers(program: Program, args: dict[str, Any], device: torch.device, i
         if all((s * t.element_size()) % 16 == 0 for s in t.stride()[:-1]):
             out.add(buf.name)
     if out:
-        _install_allocator()
+        install_allocator()
     return frozenset(out)
 
 
 @functools.cache
-def _install_allocator() -> None:
+def _descriptor_allocator() -> Callable[[int, int, Any], torch.Tensor]:
     """Tensor descriptors made inside kernels need a little global scratch memory."""
-    import triton
-
     cache: dict[tuple[Any, int], torch.Tensor] = {}
 
     def alloc(size: int, alignment: int, stream: Any) -> torch.Tensor:
@@ -302,7 +300,23 @@ def _install_allocator() -> None:
             cache[key] = torch.empty(size, dtype=torch.int8, device="cpu" if interpreter_mode() else "cuda")
         return cache[key]
 
-    triton.set_allocator(alloc)
+    return alloc
+
+
+_allocator_threads: set[int] = set()
+
+
+def install_allocator() -> None:
+    """Triton keeps its allocator per thread (a context variable): set ours in this one, once.
+    Autograd runs backward passes in threads of its own, so each of them needs it too."""
+    import threading
+
+    import triton
+
+    ident = threading.get_ident()
+    if ident not in _allocator_threads:
+        triton.set_allocator(_descriptor_allocator())
+        _allocator_threads.add(ident)
 
 
 COMBINE_TILE_ELEMENTS = 8192  # fp32 values of one (row, split, feature) tile: 64 registers a thread at 4 warps
@@ -421,6 +435,8 @@ MAX_LAUNCHERS = 256
 
 # set by integrations.ops: how a call made while torch.compile traces becomes one registered op
 IN_GRAPH: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any] | None = None
+# set by integrations.autograd: how a call whose inputs require grad records its derived backward
+WITH_GRAD: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any] | None = None
 
 
 def output_specs(fn: Compiled, named: dict[str, Any]) -> list[tuple[list[int], torch.dtype]]:
@@ -452,6 +468,7 @@ class Compiled:
         plain = all(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty for p in params)
         self._arity = len(self._names) if plain else -1  # calls with exactly these positionals skip bind()
         self.fallback_reason: str | None = None
+        self.training: dict[tuple[Any, ...], Any] = {}  # (program, wrt) -> its derived backward, compiled
 
     # --- compile ------------------------------------------------------------------
     def executable_for(self, program: Program, args: dict[str, Any], plan: Plan | None = None) -> Executable:
@@ -681,23 +698,22 @@ class Compiled:
 
     # --- run ----------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled() and self._needs_grad(args, kwargs):
+            if WITH_GRAD is None:
+                raise RuntimeError(f"{self.program_def.name}: an input requires grad, and no backward is "
+                                   f"registered (import neptune_fusion, not only its runtime layer)")
+            return WITH_GRAD(self, args, kwargs)  # the derived backward, as a torch.autograd.Function
         if IN_GRAPH is not None and torch.compiler.is_compiling():
             return IN_GRAPH(self, args, kwargs)  # one registered op in torch.compile's graph
-        if torch.is_grad_enabled():
-            self._refuse_grad(args, kwargs)
         return self._launch(args, kwargs)
 
     def launch(self, *args: Any, **kwargs: Any) -> Any:
         """A call for callers that checked gradients themselves (nf.attention)."""
         return self._launch(args, kwargs)
 
-    def _refuse_grad(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        for a in (*args, *kwargs.values()) if kwargs else args:
-            if isinstance(a, torch.Tensor) and a.requires_grad:
-                raise RuntimeError(
-                    f"{self.program_def.name}: nf.compile'd programs have no backward yet, but an input requires "
-                    f"grad: the result would silently carry no gradient. Run the call under torch.no_grad() or "
-                    f"pass detached tensors")
+    @staticmethod
+    def _needs_grad(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        return any(isinstance(a, torch.Tensor) and a.requires_grad for a in (*args, *kwargs.values()))
 
     def _launch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if kwargs or len(args) != self._arity:

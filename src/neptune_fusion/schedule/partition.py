@@ -47,7 +47,10 @@ def _apart(program: Program) -> tuple[set[str], str] | None:
     chain = [st for st in _reductions(program) if st.reduce_axis == axis]
     # the axes of the chain's smallest reduction are its rows and batch, tiled across programs; the
     # others of its reductions (a head dim) are held in each program's tile (tile/lower.py `assign_roles`)
-    tiled = set(min(chain, key=lambda st: len(st.axes)).axes)
+    # (less the axes contracted inside the loop's body: a head dim a backward sums over is held in
+    # the tile, whichever member has it)
+    inner = {st.reduce_axis for st in _reductions(program) if st.reduce_axis != axis and axis in st.axes}
+    tiled = set(min(chain, key=lambda st: len(set(st.axes) - inner)).axes) - inner
     across = [st.name for st in _reductions(program) if st.reduce_axis != axis and st.reduce_axis in tiled]
     if not across:
         return None
@@ -143,7 +146,8 @@ def _program(program: Program, name: str, stages: list[Stage], outputs: list[Out
     reads: set[str] = set()
     for st in stages:
         reads |= st.reads()
-    inputs = tuple(b for b in program.inputs if b.name in reads) + tuple(extra_inputs)
+    extra_names = {b.name for b in extra_inputs}
+    inputs = tuple(b for b in program.inputs if b.name in reads and b.name not in extra_names) + tuple(extra_inputs)
     held = {b.name for b in inputs}
     axis_sizes = {a: src for a, src in program.axis_sizes.items() if src[0] in held}
     for b in extra_inputs:
@@ -154,3 +158,158 @@ def _program(program: Program, name: str, stages: list[Stage], outputs: list[Out
                   dict(program.param_kinds), dict(program.derived_axes))
     out.validate()
     return out
+
+
+def partition_loops(program: Program, held: frozenset[str]) -> list[Group]:
+    """Groups of a program whose reductions loop over several axes (a backward pass: dQ sums over
+    keys, dK and dV over queries), one kernel per loop.
+
+    A reduction over a `held` axis (one the tiles hold whole or K-loop over: a head dim) whose
+    axes include the loop axis of every kernel that reads it is recomputed inside those kernels,
+    as scores are. Every other reduction is a loop of its own: those over the same axis, with the
+    same axes apart from held ones, at the same depth of the dependency order share a kernel;
+    what a kernel reads from an earlier one is materialised (fp32). An element-wise output goes
+    with the last kernel it reads (or, reading none, into a group without a reduction).
+
+    Example:
+        >>> # partition_loops(backward, frozenset({"d", "e"})) -> [D, dQ, dK+dV] for attention
+    """
+    stages = [st for st in program.stages if isinstance(st, Stage)]
+    by_name = {st.name: st for st in stages}
+    outputs = {o.stage for o in program.outputs}
+    order = [st.name for st in stages]
+    recomputed: set[str] = set()  # reductions computed again inside each kernel that reads them
+    loops: dict[str, tuple[str, frozenset[str]]] = {}  # loop reduction -> (axis, axes apart from held)
+
+    def readers_through(name: str) -> set[str]:
+        """The loop reductions that read `name`, through element-wise and recomputed stages."""
+        found: set[str] = set()
+        todo = [name]
+        while todo:
+            cur = todo.pop()
+            for st in stages:
+                if cur in st.reads() and st.name not in found:
+                    if st.name in loops:
+                        found.add(st.name)
+                    else:
+                        todo.append(st.name)
+        return found
+
+    for st in reversed(stages):
+        if st.reduce_op is None:
+            continue
+        readers = readers_through(st.name)
+        if (st.name not in outputs and st.reduce_axis in held and readers
+                and all(by_name[r].reduce_axis in st.axes for r in readers)):
+            recomputed.add(st.name)
+        else:
+            loops[st.name] = (st.reduce_axis, frozenset(st.axes) - held)
+
+    def loop_reads(name: str) -> set[str]:
+        """The loop reductions `name` reads, through element-wise and recomputed stages."""
+        found: set[str] = set()
+        todo = list(by_name[name].reads())
+        while todo:
+            cur = todo.pop()
+            if cur in loops:
+                found.add(cur)
+            elif cur in by_name and cur not in found:
+                found.add(cur)
+                todo.extend(by_name[cur].reads())
+        return found & set(loops)
+
+    kernels = _kernels(order, loops, loop_reads)
+    kernel_of = {m: i for i, members in enumerate(kernels) for m in members}
+    extra: dict[int, list[str]] = {}  # element-wise outputs, by the kernel they go with
+    for name in order:
+        if name in outputs and by_name[name].reduce_op is None:
+            read = loop_reads(name)
+            extra.setdefault(max((kernel_of[r] for r in read), default=len(kernels)), []).append(name)
+    groups: list[Group] = []
+    later_reads = {n for name in order for n in loop_reads(name) if n in loops}
+    for i in range(len(kernels) + 1):
+        members = (kernels[i] if i < len(kernels) else []) + extra.get(i, [])
+        if members:
+            groups.append(_loop_group(program, members, set(loops) - set(members), later_reads, i))
+    return groups
+
+
+def _kernels(order: list[str], loops: dict[str, tuple[str, frozenset[str]]], loop_reads) -> list[list[str]]:  # noqa: ANN001
+    """The loop reductions by kernel, in the order the kernels run: one kernel per (loop axis,
+    tiled axes), unless the kernels would then read each other's results in a cycle; then also
+    by depth in the dependency order."""
+    reads = {name: loop_reads(name) for name in loops}
+    keys = {name: loops[name] for name in loops}
+    graph = {key: set() for key in keys.values()}
+    for name, key in keys.items():
+        graph[key] |= {keys[r] for r in reads[name]} - {key}
+    ranked = _topological(graph)
+    if ranked is None:  # a cycle between kernels: split each by depth
+        depth: dict[str, int] = {}
+        for name in order:
+            if name in loops:
+                depth[name] = 1 + max((depth[r] for r in reads[name]), default=0)
+        keys = {name: (depth[name], *loops[name]) for name in loops}
+        graph = {key: set() for key in keys.values()}
+        for name, key in keys.items():
+            graph[key] |= {keys[r] for r in reads[name]} - {key}
+        ranked = _topological(graph)
+        assert ranked is not None
+    return [[n for n in order if n in keys and keys[n] == key] for key in ranked]
+
+
+def _topological(graph: dict) -> list | None:  # noqa: ANN001 - keys are any hashable kernel keys
+    """The keys of `graph` (key -> keys it reads) with every key after what it reads; None on a cycle."""
+    done: list = []
+    placed: set = set()
+    pending = list(graph)
+    while pending:
+        ready = [k for k in pending if graph[k] <= placed]
+        if not ready:
+            return None
+        for k in ready:
+            done.append(k)
+            placed.add(k)
+        pending = [k for k in pending if k not in placed]
+    return done
+
+
+def _loop_group(program: Program, members: list[str], elsewhere: set[str], materialise: set[str], index: int) -> Group:
+    """The program of one kernel: `members`, what they read (other kernels' reductions as inputs)."""
+    by_name = {st.name: st for st in program.stages if isinstance(st, Stage)}
+    keep: set[str] = set()
+    outside: set[str] = set()
+    todo = list(members)
+    while todo:
+        name = todo.pop()
+        if name in keep or name not in by_name:
+            continue
+        if name in elsewhere:
+            outside.add(name)
+            continue
+        keep.add(name)
+        todo.extend(by_name[name].reads())
+    stages = [st for st in program.stages if isinstance(st, Stage) and st.name in keep]
+    outputs: list[OutputSpec] = []
+    results: list[str] = []
+    for j, out in enumerate(program.outputs):
+        if out.stage in members:
+            outputs.append(out)
+            results.append(f"output:{j}")
+    for name in members:
+        if name in materialise:
+            mat = Stage(f"{MATERIALISED_PREFIX}{name}", by_name[name].axes,
+                        Cast(Load(name, tuple(Index(a) for a in by_name[name].axes)), "f32"))
+            stages.append(mat)
+            outputs.append(OutputSpec(mat.name, mat.axes))
+            results.append(name)
+    inputs = [InputBuffer(n, by_name[n].axes) for n in sorted(outside, key=list(by_name).index)]
+    # an axis no input of the kernel has (the key heads a head-group sum writes) gets its size from
+    # the program input that has it, passed to the kernel unread
+    used = {a for st in stages for a in st.axes} | {a for b in inputs for a in b.dims if a is not None}
+    reads = {r for st in stages for r in st.reads()}
+    sizes_from = {program.axis_sizes[a][0] for a in used if a in program.axis_sizes
+                  and not any(a in program.input(r).dims for r in reads if r not in by_name)
+                  and not any(a in b.dims for b in inputs)}
+    inputs += [program.input(n) for n in sorted(sizes_from) if n not in reads]
+    return Group(_program(program, f"{program.name}_k{index}", stages, outputs, inputs), tuple(results))

@@ -124,8 +124,12 @@ def assign_roles(program: Program) -> AxisRoles:
         raise UnsupportedProgramError("tile lowering", smallest.name, f"{smallest.reduce_op} over {loop.axis}",
                                       "a reduction to a single value has no row axis to tile "
                                       "(transform/layout.py `with_unit_row` declares one)")
-    row = smallest.axes[-1] if smallest.axes else UNIT_ROW
-    batch = smallest.axes[:-1]
+    # axes the members contract inside the loop body (a head dim a backward sums over) are held
+    # in the tile, never rows: the row is the last of the smallest member's other axes
+    inner = {n.axis for m in loop.members for n in walk(m.body.body) if isinstance(n, Reduce)}
+    spatial = tuple(a for a in smallest.axes if a not in inner) or smallest.axes
+    row = spatial[-1] if spatial else UNIT_ROW
+    batch = spatial[:-1]
     full: list[str] = []
     known = {row, loop.axis, *batch}
 

@@ -1,0 +1,556 @@
+"""Reverse-mode differentiation of Programs: the backward pass as another plain Program.
+
+`differentiate(program, wrt)` returns a `Gradient`: the forward program with the values its
+backward needs as extra outputs, and a backward Program whose outputs are the gradients of the
+`wrt` inputs. The backward is written like any traced program (stages over named axes, one
+reduction per stage), so the same pipeline fuses it; nothing here knows about attention.
+
+What is derived, and how:
+- Adjoints flow from the outputs back to the inputs, stage by stage in reverse order. A stage's
+  contribution to a buffer it loads is `adjoint * partial` over the stage's frame (its axes and
+  its reduce axis), summed over the frame axes the buffer does not have: one reduction stage per
+  axis. A load at a computed index (a gather `s[i, target[i]]`, a head group `k[b, h // 2]`)
+  contributes through `where(index == axis, ...)` over the buffer's own axis.
+- Stabilisers: a max (min) whose value the outputs do not depend on, such as the running max that
+  keeps `exp` finite, carries no gradient. That is proved, not assumed (`_free_stabilisers`): a
+  shift of the max moves each sum that reads it by a factor (its repair, to first order), and
+  SymPy shows the outputs' derivative along that motion is 0. A max that fails the proof gets
+  torch's gradient (shared among ties).
+- Zero adjoints stay exactly zero: an adjoint that is 0 where a condition holds (the outputs'
+  `where(m == -inf, 0, ...)` for rows with no visible key, a mask) guards every contribution
+  made from it, so a value the forward discarded (0 / 0, inf - inf) never reaches a gradient.
+- Saved versus recomputed: a reduction no larger than some input or output of the program (a
+  row statistic) is saved by the forward; larger ones (scores, logits) and element-wise stages
+  are recomputed by the backward; a reduction read only by one output is recovered from that
+  output where SymPy can solve for it (`u` from `o = u / l`), so it is not saved either.
+
+Example:
+    >>> import torch
+    >>> from neptune_fusion.library import softmax_pooling
+    >>> program = softmax_pooling.trace(torch.randn(4, 8), torch.randn(4, 8))
+    >>> grad = differentiate(program, ("x", "v"))
+    >>> grad.saved, grad.free_stabilisers
+    (('max0', 'sum0'), ('max0',))
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from neptune_fusion.algebra import symbolic
+from neptune_fusion.analysis.chains import find_chains
+from neptune_fusion.ir.errors import FusionError
+from neptune_fusion.ir.expr import (
+    Binary,
+    Cast,
+    Const,
+    Expr,
+    Index,
+    Load,
+    Reduce,
+    Unary,
+    Where,
+    free_axes,
+    rebuild,
+    simplify,
+    substitute_index,
+    walk,
+)
+from neptune_fusion.ir.program import FusedLoop, InputBuffer, OutputSpec, Program, Stage
+from neptune_fusion.transform.derivative import partial
+from neptune_fusion.transform.inline import inline_into
+
+PASS = "differentiate"
+MAX_BRANCHES = 6  # where() conditions enumerated by the stabiliser proof (2 ** 6 branches)
+
+
+@dataclass(frozen=True)
+class Gradient:
+    """A program's backward, derived.
+
+    `forward` is the program with `saved` appended to its outputs (each a reduction, fp32, over
+    its own axes); `backward` reads, by name, the forward inputs it needs, the saved values, the
+    forward outputs in `outputs_read` (passed with the stage's own axes: size-1 dims dropped) and
+    `grad_<i>` for the gradient of output i in `grads_read`. Its outputs are the gradients of
+    `nonzero`, in that order; the other inputs of `wrt` get zero gradients.
+    """
+
+    forward: Program
+    backward: Program
+    wrt: tuple[str, ...]
+    nonzero: tuple[str, ...]
+    saved: tuple[str, ...]
+    outputs_read: tuple[int, ...]
+    grads_read: tuple[int, ...]
+    free_stabilisers: tuple[str, ...]
+    recovered: tuple[str, ...] = field(default=())
+    held: frozenset[str] = frozenset()  # axes the forward's tiles hold whole (head dims): contractions
+
+
+@dataclass(frozen=True)
+class _Contribution:
+    expr: Expr  # over the receiving buffer's axes
+    zero_when: Expr | None  # where this holds, the contribution is exactly 0
+
+
+def grad_name(output: int) -> str:
+    """Name of the backward input holding the gradient of forward output `output`."""
+    return f"grad_{output}"
+
+
+def differentiate(program: Program, wrt: tuple[str, ...]) -> Gradient:
+    """The backward of `program` with respect to the float inputs `wrt` (see the module doc)."""
+    if any(isinstance(node, FusedLoop) for node in program.stages):
+        raise FusionError(PASS, program.name, "program", "differentiate the traced program, before fusion")
+    for name in wrt:
+        buf = program.input(name)
+        if buf.kind != "float":
+            raise FusionError(PASS, name, "input", f"only float inputs have gradients ({buf.kind} given)")
+    return _Reverse(program, tuple(wrt)).run()
+
+
+class _Reverse:
+    def __init__(self, program: Program, wrt: tuple[str, ...]) -> None:
+        self.program = program
+        self.wrt = wrt
+        self.stages = {st.name: st for st in program.all_stages()}
+        self.inputs = {b.name: b for b in program.inputs}
+        self.active = _active(program, set(wrt))
+        self.free = _free_stabilisers(program)
+        self.contribs: dict[str, list[_Contribution]] = {}
+        self.adjoint: dict[str, tuple[str, Expr | None]] = {}
+        self.new: list[Stage] = []
+        self.taken = set(self.stages) | set(self.inputs) | set(program.params)
+        self.seeds: list[int] = []
+
+    # --- names and stages -------------------------------------------------------------
+    def fresh(self, base: str) -> str:
+        for n in itertools.count():
+            name = base if n == 0 else f"{base}_{n}"
+            if name not in self.taken:
+                self.taken.add(name)
+                return name
+        raise AssertionError
+
+    def axes_of(self, buffer: str) -> tuple[str | None, ...]:
+        if buffer in self.stages:
+            return self.stages[buffer].axes
+        return self.inputs[buffer].dims
+
+    def emit(self, base: str, axes: tuple[str, ...], body: Expr) -> str:
+        name = self.fresh(base)
+        self.new.append(Stage(name, axes, simplify(body)))
+        return name
+
+    # --- the pass ---------------------------------------------------------------------
+    def run(self) -> Gradient:
+        for i, out in enumerate(self.program.outputs):
+            stage = self.stages[out.stage]
+            if out.stage not in self.active:
+                continue
+            named = tuple(d for d in out.dims if d is not None)
+            if named != stage.axes:
+                raise FusionError(PASS, out.stage, "output", f"output dims {out.dims} do not list the stage's "
+                                  f"axes {stage.axes} in order")
+            self.taken.add(grad_name(i))
+            seed = Load(grad_name(i), tuple(Index(d) if d is not None else Const(0) for d in out.dims))
+            self.contribs.setdefault(out.stage, []).append(_Contribution(seed, None))
+            self.seeds.append(i)
+        for stage in reversed(self.program.all_stages()):
+            if stage.name in self.contribs:
+                self.backpropagate(stage)
+        nonzero = tuple(name for name in self.wrt if name in self.contribs)
+        grads = {name: self.finish(name, self._named_axes(name))[0] for name in nonzero}
+        return self.assemble(nonzero, grads)
+
+    def _named_axes(self, buffer: str) -> tuple[str, ...]:
+        return tuple(a for a in self.axes_of(buffer) if a is not None)
+
+    def finish(self, buffer: str, axes: tuple[str, ...]) -> tuple[str, Expr | None]:
+        """The adjoint of `buffer` as one stage (its contributions summed) and where it is 0."""
+        if buffer in self.adjoint:
+            return self.adjoint[buffer]
+        parts = self.contribs[buffer]
+        zero: Expr | None = parts[0].zero_when
+        for part in parts[1:]:
+            zero = None if zero is None or part.zero_when is None else _and(zero, part.zero_when)
+        only = parts[0].expr
+        if len(parts) == 1 and isinstance(only, Load) and only.index == tuple(map(Index, axes)) \
+                and only.buffer not in self.stages and only.buffer not in self.inputs:
+            name = only.buffer  # already a stage of the backward (or a seed): no copy
+        else:
+            total = parts[0].expr
+            for part in parts[1:]:
+                total = total + part.expr
+            name = self.emit(f"grad_{buffer}", axes, total)
+        self.adjoint[buffer] = (name, zero)
+        return name, zero
+
+    def backpropagate(self, stage: Stage) -> None:
+        body = stage.body
+        if isinstance(body, Reduce) and stage.name in self.free:
+            return
+        grad, zero = self.finish(stage.name, stage.axes)
+        upstream: Expr = Load(grad, tuple(map(Index, stage.axes)))
+        frame = stage.axes
+        inner = body
+        if isinstance(body, Reduce):
+            frame, inner = (*stage.axes, body.axis), body.body
+            if body.op in ("max", "min"):
+                here = Load(stage.name, tuple(map(Index, stage.axes)))
+                hit = Binary("eq", inner, here)
+                count = self.emit(f"ties_{stage.name}", stage.axes,
+                                  Reduce("sum", body.axis, Where(hit, Const(1.0), Const(0.0))))
+                upstream = Where(hit, upstream / Load(count, tuple(map(Index, stage.axes))), Const(0.0))
+            elif body.op != "sum":
+                raise FusionError(PASS, stage.name, f"{body.op} over {body.axis}",
+                                  "only sum, max and min reductions are differentiated")
+        for load in _value_loads(inner):
+            if load.buffer not in self.active or load.buffer in self.free:
+                continue
+            d = partial(inner, load)
+            if d is None:
+                continue
+            contribution = simplify(_times(upstream, d))
+            if zero is not None:
+                contribution = Where(zero, Const(0.0), contribution)
+            self.contribute(stage, load, contribution, frame)
+
+    def contribute(self, stage: Stage, load: Load, value: Expr, frame: tuple[str, ...]) -> None:
+        """Add `value` (over `frame`) to the adjoint of the buffer `load` reads. The frame axes the
+        buffer does not have are summed over, one stage each, innermost first, under the frame's
+        names (so sums over the same loop from different stages agree on their axes); the last step
+        renames the frame's axes to the buffer's."""
+        target_axes = self.axes_of(load.buffer)
+        rename: dict[str, Expr] = {}
+        kept: list[str] = []  # per named position of the buffer: the frame axis (or its own, if computed)
+        for pos, (component, axis) in enumerate(zip(load.index, target_axes)):
+            if axis is None:
+                continue
+            if isinstance(component, Index) and component.axis in frame and component.axis not in rename:
+                rename[component.axis] = Index(axis)
+                kept.append(component.axis)
+            else:  # a computed index: the gradient lands where the index equals the buffer's position
+                if axis in frame:
+                    raise FusionError(PASS, stage.name, f"load of {load.buffer!r}",
+                                      f"index {pos} is computed and its axis {axis!r} is also an axis of the stage")
+                value = Where(Binary("eq", component, Index(axis)), value, Const(0.0))
+                kept.append(axis)
+        reduced = [a for a in frame if a not in rename]
+        clash = {r.axis for r in rename.values()} & set(reduced)
+        if clash:
+            raise FusionError(PASS, stage.name, f"load of {load.buffer!r}",
+                              f"axes {sorted(clash)} would be renamed onto axes that are summed over")
+        axes = tuple(a for a in target_axes if a is not None)
+        zero = _zero_condition(value)
+        current = (*kept, *reduced)
+        for n, axis in enumerate(reversed(reduced)):
+            current = tuple(a for a in current if a != axis)
+            last = n == len(reduced) - 1
+            body = Reduce("sum", axis, substitute_index(value, rename) if last else value)
+            name = self.emit(f"grad_{load.buffer}_part", axes if last else current, body)
+            zero = zero if zero is not None and axis not in free_axes(zero) else None
+            value = Load(name, tuple(map(Index, axes if last else current)))
+        if not reduced:
+            value = substitute_index(value, rename)
+        if zero is not None:
+            zero = substitute_index(zero, rename)
+        self.contribs.setdefault(load.buffer, []).append(_Contribution(value, zero))
+
+    # --- the two programs -------------------------------------------------------------
+    def assemble(self, nonzero: tuple[str, ...], grads: dict[str, str]) -> Gradient:
+        program = self.program
+        output_of = {out.stage: i for i, out in enumerate(program.outputs)}
+        read = _reads(self.new)
+        recovered = self.recover(read, output_of)
+        recompute: list[Stage] = []
+        saved: list[str] = []
+        outputs_read: list[int] = []
+        needed = read | _reads(list(recovered.values()))
+        visited: set[str] = set()
+        while True:
+            pending = sorted(b for b in needed if b in self.stages and b not in visited)
+            if not pending:
+                break
+            for name in pending:
+                visited.add(name)
+                stage = self.stages[name]
+                if name in recovered:
+                    continue
+                if name in output_of:
+                    outputs_read.append(output_of[name])
+                elif stage.reduce_op is not None and self.small(stage):
+                    saved.append(name)
+                else:
+                    recompute.append(stage)
+                    needed |= stage.reads()
+        order = [st.name for st in program.all_stages()]
+        recompute.sort(key=lambda st: order.index(st.name))
+        stages = [*recompute, *(recovered[n] for n in order if n in recovered), *self.new]
+        reads = _reads(stages)
+        inputs = [b for b in program.inputs if b.name in reads or b.name in nonzero]
+        inputs += [InputBuffer(n, self.stages[n].axes) for n in sorted(set(saved), key=order.index)]
+        inputs += [InputBuffer(program.outputs[i].stage, self.stages[program.outputs[i].stage].axes)
+                   for i in sorted(set(outputs_read))]
+        seeds = [i for i in self.seeds if grad_name(i) in reads]
+        inputs += [InputBuffer(grad_name(i), program.outputs[i].dims) for i in seeds]
+        outputs = tuple(OutputSpec(grads[n], self.inputs[n].dims) for n in nonzero)
+        backward = Program(f"{program.name}_backward", tuple(inputs), program.params, tuple(stages), outputs,
+                           _axis_sources(inputs), dict(program.param_kinds))
+        backward.validate()
+        saved_order = tuple(sorted(set(saved), key=order.index))
+        extra = [Stage(self.fresh(f"saved_{n}"), self.stages[n].axes,
+                       Cast(Load(n, tuple(map(Index, self.stages[n].axes))), "f32")) for n in saved_order]
+        forward = Program(program.name, program.inputs, program.params, (*program.stages, *extra),
+                          (*program.outputs, *(OutputSpec(st.name, st.axes) for st in extra)),
+                          dict(program.axis_sizes), dict(program.param_kinds), dict(program.derived_axes))
+        return Gradient(forward, backward, self.wrt, nonzero, saved_order, tuple(sorted(set(outputs_read))),
+                        tuple(seeds), tuple(sorted(self.free)), tuple(recovered), _held_axes(program))
+
+    def kept(self, buffer: str) -> bool:
+        """Whether the backward reads `buffer` without recomputing it: an input, an output or a
+        saved statistic."""
+        if buffer in self.inputs or any(o.stage == buffer for o in self.program.outputs):
+            return True
+        stage = self.stages[buffer]
+        return stage.reduce_op is not None and self.small(stage)
+
+    def small(self, stage: Stage) -> bool:
+        """A reduction no larger than a tensor the program already holds: saving it costs no more."""
+        held = [set(b.dims) - {None} for b in self.program.inputs]
+        held += [set(o.dims) - {None} for o in self.program.outputs]
+        return any(set(stage.axes) <= axes for axes in held)
+
+    def recover(self, read: set[str], output_of: dict[str, int]) -> dict[str, Stage]:
+        """Reductions the backward reads that can be computed back from the one output reading
+        them; the larger first, each from values that are not themselves recovered."""
+        out: dict[str, Stage] = {}
+        candidates = [self.stages[n] for n in read if n in self.stages and n not in output_of]
+        candidates.sort(key=lambda st: (-len(st.axes), st.name))
+        for stage in candidates:
+            readers = [st for st in self.program.all_stages() if stage.name in st.reads()]
+            if stage.reduce_op is None or len(readers) != 1:
+                continue
+            reader = readers[0]
+            if reader.name not in output_of or reader.reduce_op is not None or set(reader.axes) != set(stage.axes):
+                continue
+            here = Load(stage.name, tuple(map(Index, stage.axes)))
+            value = Load(reader.name, tuple(map(Index, reader.axes)))
+            solution = symbolic.solve_for(_strip_guards(reader.body), here, value)
+            if solution is not None and all(self.kept(n) and n not in out for n in loads_in(solution)):
+                out[stage.name] = Stage(stage.name, stage.axes, solution)
+        return out
+
+
+def loads_in(expr: Expr) -> set[str]:
+    return {n.buffer for n in walk(expr) if isinstance(n, Load)}
+
+
+def _held_axes(program: Program) -> frozenset[str]:
+    """The axes the forward's kernel holds whole in its tiles (head dims): those its reductions
+    outside the main chain contract (q . k over d) and those its chain's members have beyond the
+    smallest member's rows (the value dim of `p @ v`)."""
+    chains = find_chains(program)
+    if not chains:
+        return frozenset()
+    chain = chains[0]
+    members = [program.stage(m) for m in chain.members]
+    rows = set(min(members, key=lambda st: len(st.axes)).axes)
+    held = {st.reduce_axis for st in program.all_stages() if st.reduce_op and st.name not in chain.members}
+    held |= {a for st in members for a in st.axes} - rows
+    return frozenset(held - {chain.axis})
+
+
+def _reads(stages: list[Stage]) -> set[str]:
+    out: set[str] = set()
+    for st in stages:
+        out |= st.reads()
+    return out
+
+
+def _axis_sources(inputs: list[InputBuffer]) -> dict[str, tuple[str, int]]:
+    sources: dict[str, tuple[str, int]] = {}
+    for buf in inputs:
+        for pos, axis in enumerate(buf.dims):
+            if axis is not None:
+                sources.setdefault(axis, (buf.name, pos))
+    return sources
+
+
+def _value_loads(expr: Expr) -> list[Load]:
+    """Loads whose values `expr` computes with (not those only inside an index), each once."""
+    out: dict[Load, None] = {}
+
+    def visit(node: Expr) -> None:
+        if isinstance(node, Load):
+            out[node] = None
+            return
+        for child in node.children():
+            visit(child)
+
+    visit(expr)
+    return list(out)
+
+
+def _active(program: Program, wrt: set[str]) -> set[str]:
+    """Buffers through which some `wrt` input reaches an output."""
+    forward = set(wrt)
+    for st in program.all_stages():
+        if st.reads() & forward:
+            forward.add(st.name)
+    backward = {o.stage for o in program.outputs}
+    for st in reversed(program.all_stages()):
+        if st.name in backward:
+            backward |= st.reads()
+    return forward & backward
+
+
+def _times(a: Expr, b: Expr) -> Expr:
+    return a if b == Const(1.0) else b if a == Const(1.0) else a * b
+
+
+def _and(a: Expr, b: Expr) -> Expr:
+    return a if a == b else Binary("and", a, b)
+
+
+def _zero_condition(expr: Expr) -> Expr | None:
+    """A condition under which `expr` is exactly 0, read off its where()s and products."""
+    if isinstance(expr, Where):
+        if isinstance(expr.a, Const) and expr.a.value == 0:
+            inner = _zero_condition(expr.b)
+            return expr.cond if inner is None else Binary("or", expr.cond, inner)
+        if isinstance(expr.b, Const) and expr.b.value == 0:
+            inner = _zero_condition(expr.a)
+            negated = Unary("not", expr.cond)
+            return negated if inner is None else Binary("or", negated, inner)
+    if isinstance(expr, Binary) and expr.op == "mul":
+        a, b = _zero_condition(expr.a), _zero_condition(expr.b)
+        if a is None or b is None:
+            return a or b
+        return Binary("or", a, b)
+    return None
+
+
+def _strip_guards(expr: Expr) -> Expr:
+    """`where(c, constant, e)` -> e: the value where the output is not a constant."""
+    while isinstance(expr, Where):
+        if isinstance(expr.a, Const):
+            expr = expr.b
+        elif isinstance(expr.b, Const):
+            expr = expr.a
+        else:
+            break
+    return expr
+
+
+# --- stabilisers ------------------------------------------------------------------------
+
+
+def _free_stabilisers(program: Program) -> set[str]:
+    """Max/min stages the outputs provably do not depend on (see `_stabiliser_is_free`)."""
+    return {st.name for st in program.all_stages()
+            if st.reduce_op in ("max", "min") and _stabiliser_is_free(program, st)}
+
+
+def _stabiliser_is_free(program: Program, stabiliser: Stage) -> bool:
+    """Move `stabiliser` by epsilon. Element-wise stages are inlined into their readers; a sum
+    that reads a moving value moves by a factor of itself (the ratio of its body's derivative to
+    its body, equal in every branch where the body is not 0 and free of the summed axis: the
+    first-order form of its repair); anything else that moves fails the proof. It holds when
+    every output has derivative 0 along the motion."""
+    stages = program.all_stages()
+    elementwise = {st.name: st for st in stages if st.reduce_op is None}
+    outputs = {o.stage for o in program.outputs}
+    values = symbolic.ValueSymbols()
+    factors: dict[str, object] = {}  # moving sum -> d(value)/d(epsilon) / value
+
+    def inlined(expr: Expr) -> Expr:
+        while names := loads_in(expr) & set(elementwise):
+            for name in names:
+                expr = inline_into(expr, elementwise[name])
+        return expr
+
+    def rate(load: Load) -> object:
+        if load.buffer == stabiliser.name:
+            return symbolic.number(1)
+        return factors[load.buffer] * values.symbol(load)  # type: ignore[operator]
+
+    def branches(expr: Expr) -> list[tuple[object, object]] | None:
+        """(value, derivative along the motion) for each branch of the where()s in `expr`."""
+        moving = {n for n in walk(expr) if isinstance(n, Load) and (n.buffer == stabiliser.name or n.buffer in factors)}
+        if any(n.index != tuple(map(Index, program.stage(n.buffer).axes)) for n in moving):
+            return None  # a moving value read at another position moves on its own
+        resolved = _branches(expr)
+        if resolved is None:
+            return None
+        out = []
+        for branch in resolved:
+            try:
+                value = values.convert(branch)
+            except symbolic.NotAlgebraic:
+                return None
+            motion = {values.symbol(n): rate(n) for n in moving}
+            out.append((value, symbolic.directional_derivative(value, motion)))
+        return out
+
+    for st in stages[stages.index(stabiliser) + 1:]:
+        body = inlined(st.body.body if isinstance(st.body, Reduce) else st.body)
+        if not any(n.buffer == stabiliser.name or n.buffer in factors for n in walk(body) if isinstance(n, Load)):
+            continue
+        found = branches(body)
+        if found is None:
+            return False
+        if st.reduce_op is None:
+            if st.name in outputs and not all(symbolic.is_zero(d) for _, d in found):
+                return False
+            continue
+        if st.reduce_op != "sum" or st.name in outputs:
+            return False
+        factor = _common_ratio(found)
+        if factor is False:
+            return False
+        if factor is None:
+            continue  # this sum does not move
+        if any(st.reduce_axis in free_axes(values.exprs[s]) for s in factor.free_symbols):  # type: ignore[union-attr]
+            return False
+        factors[st.name] = factor
+    return True
+
+
+def _common_ratio(branches: list[tuple[object, object]]) -> object:
+    """The factor derivative / value shared by every branch whose value is not 0 (None: no branch
+    moves; False: the branches disagree)."""
+    found: list[object] = []
+    for value, derivative in branches:
+        if symbolic.is_zero(value):
+            if not symbolic.is_zero(derivative):
+                return False
+            continue
+        found.append(symbolic.ratio(derivative, value))
+    if not found or all(symbolic.is_zero(f) for f in found):
+        return None
+    if any(not symbolic.is_zero(f - found[0]) for f in found[1:]):  # type: ignore[operator]
+        return False
+    return found[0]
+
+
+def _branches(expr: Expr) -> list[Expr] | None:
+    """`expr` with every combination of its where() conditions resolved; None past MAX_BRANCHES."""
+    conditions = list(dict.fromkeys(n.cond for n in walk(expr) if isinstance(n, Where)))
+    if len(conditions) > MAX_BRANCHES:
+        return None
+    out = []
+    for choice in itertools.product((True, False), repeat=len(conditions)):
+        chosen = dict(zip(conditions, choice))
+
+        def resolve(node: Expr, chosen: dict[Expr, bool] = chosen) -> Expr:
+            if isinstance(node, Where):
+                return resolve(node.a if chosen[node.cond] else node.b)
+            kids = node.children()
+            if not kids or isinstance(node, Load):
+                return node
+            return rebuild(node, tuple(resolve(k) for k in kids))
+
+        out.append(resolve(expr))
+    return out

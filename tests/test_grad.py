@@ -1,0 +1,315 @@
+"""The derived backward (transform/grad.py, integrations/autograd.py).
+
+Three levels: the backward Program run by the reference executor against torch autograd through
+the forward program (float64, no kernels: many programs); finite differences on small float64
+programs; and the compiled kernels under the Triton interpreter through `nf.attention` and
+`nf.compile` against torch autograd on the dense formula in float64.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import neptune_fusion as nf  # noqa: E402
+from neptune_fusion.ir.errors import FusionError  # noqa: E402
+from neptune_fusion.library import (  # noqa: E402
+    attention,
+    causal_attention,
+    layernorm_matmul,
+    linear_cross_entropy,
+    logsumexp,
+    rmsnorm_matmul,
+    softmax,
+    softmax_pooling,
+)
+from neptune_fusion.transform.grad import differentiate, grad_name  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning",
+                                        "ignore:divide by zero encountered:RuntimeWarning")
+
+
+def _tuple(x):  # noqa: ANN001, ANN202
+    return x if isinstance(x, tuple) else (x,)
+
+
+def reference_backward(program, args: dict, params: dict, wrt: tuple[str, ...], seeds=None):  # noqa: ANN001, ANN201
+    """(gradients from the derived backward program, gradients from torch autograd), both float64."""
+    g = differentiate(program, wrt)
+    leaves = {k: v.double().clone().requires_grad_(k in wrt) if v.is_floating_point() else v for k, v in args.items()}
+    outs = _tuple(nf.run_reference(program, {**leaves, **params}, dtype=torch.float64))
+    seeds = seeds or [torch.randn_like(o) for o in outs]
+    want = torch.autograd.grad(outs, [leaves[w] for w in wrt], seeds, allow_unused=True)
+    fwd = _tuple(nf.run_reference(g.forward, {**leaves, **params}, dtype=torch.float64))
+    n = len(program.outputs)
+    named = {b.name: leaves[b.name].detach() for b in g.backward.inputs if b.name in leaves}
+    named.update(zip(g.saved, (t.detach() for t in fwd[n:])))
+    for i in g.outputs_read:
+        o = program.outputs[i]
+        named[o.stage] = fwd[i].detach().reshape([s for s, d in zip(fwd[i].shape, o.dims) if d is not None])
+    named.update({grad_name(i): seeds[i] for i in g.grads_read})
+    got = dict(zip(g.nonzero, _tuple(nf.run_reference(g.backward, {**named, **params}, dtype=torch.float64))))
+    return [got.get(w) for w in wrt], list(want), g
+
+
+def assert_grads(got, want, tol: float = 1e-6) -> None:  # noqa: ANN001
+    for a, b in zip(got, want):
+        if b is None:
+            assert a is None or torch.all(a == 0)
+            continue
+        a = torch.zeros_like(b) if a is None else a.reshape(b.shape)
+        assert not torch.isnan(a).any()
+        torch.testing.assert_close(a.double(), b.double(), atol=tol * max(1.0, b.abs().max().item()), rtol=tol)
+
+
+# --------------------------------------------------------------------------- the backward program
+
+
+LIBRARY = [
+    (softmax, {"x": (6, 9)}, ()),
+    (logsumexp, {"x": (6, 9)}, ()),
+    (softmax_pooling, {"x": (5, 11), "v": (5, 11)}, ()),
+    (rmsnorm_matmul, {"x": (7, 5), "w": (5, 6)}, ()),
+    (layernorm_matmul, {"x": (7, 5), "w": (5, 6)}, ()),
+    (attention, {"q": (1, 2, 7, 4), "k": (1, 2, 9, 4), "v": (1, 2, 9, 3)}, ("scale",)),
+    (causal_attention, {"q": (1, 2, 9, 4), "k": (1, 2, 9, 4), "v": (1, 2, 9, 3)}, ("scale",)),
+]
+
+
+@pytest.mark.parametrize("program,shapes,params", LIBRARY, ids=lambda x: getattr(x, "name", None))
+def test_backward_program_equals_autograd(program, shapes, params) -> None:  # noqa: ANN001
+    torch.manual_seed(0)
+    args = {n: torch.randn(*s) for n, s in shapes.items()}
+    values = {p: 0.37 for p in params}
+    traced = program.trace(**args, **values)
+    got, want, _ = reference_backward(traced, args, values, tuple(args))
+    assert_grads(got, want)
+
+
+def test_linear_cross_entropy_backward_gathers_the_target() -> None:
+    torch.manual_seed(0)
+    h, w, target = torch.randn(6, 4), torch.randn(10, 4), torch.randint(0, 10, (6,))
+    traced = linear_cross_entropy.trace(h, w, target)
+    got, want, g = reference_backward(traced, {"h": h, "w": w, "target": target}, {}, ("h", "w"))
+    assert_grads(got, want)
+    assert all(set(g.forward.stage(o.stage).axes) <= {"i"} for o in g.forward.outputs)  # no logits saved
+
+
+def test_attention_saves_row_statistics_only_and_its_max_is_free() -> None:
+    q = torch.randn(1, 2, 8, 4)
+    g = differentiate(causal_attention.trace(q, q, q, scale=0.5), ("q", "k", "v"))
+    assert g.free_stabilisers == ("max0",)
+    assert g.saved == ("max0", "sum0")  # the normaliser; never a query x key matrix
+    assert g.recovered == ("dot1",)  # the unnormalised output, recovered from o = u / l
+    assert g.held == frozenset({"d", "d2"})
+
+
+def test_a_max_that_is_the_output_gets_its_gradient_shared_among_ties() -> None:
+    @nf.program
+    def rowmax(x):
+        return x.max(axis=-1) * 2.0
+
+    x = torch.tensor([[1.0, 3.0, 3.0, 0.0], [2.0, -1.0, 0.5, 1.0]])
+    seed = torch.tensor([1.5, -1.0], dtype=torch.float64)
+    got, want, g = reference_backward(rowmax.trace(x), {"x": x}, {}, ("x",), [seed])
+    assert g.free_stabilisers == ()
+    assert got[0].tolist() == [[0.0, 1.5, 1.5, 0.0], [-2.0, 0.0, 0.0, 0.0]]  # torch.amax shares ties too
+    assert_grads(got, want)
+
+
+def test_a_max_read_outside_the_shift_is_not_free() -> None:
+    @nf.program
+    def shifted(x):
+        m = x.max(axis=-1, keepdims=True)
+        return nf.exp(x - m).sum(axis=-1) + m[..., 0]  # not shift invariant: the max itself is added
+
+    x = torch.randn(4, 6)
+    got, want, g = reference_backward(shifted.trace(x), {"x": x}, {}, ("x",))
+    assert g.free_stabilisers == ()
+    assert_grads(got, want)
+
+
+def test_prod_reduction_has_no_derived_backward() -> None:
+    from neptune_fusion.ir.expr import Index, Load, Reduce
+    from neptune_fusion.ir.program import InputBuffer, OutputSpec, Program, Stage
+
+    x = Load("x", (Index("i"), Index("j")))
+    program = Program("rowprod", (InputBuffer("x", ("i", "j")),), (), (Stage("p", ("i",), Reduce("prod", "j", x)),),
+                      (OutputSpec("p", ("i",)),), {"i": ("x", 0), "j": ("x", 1)})
+    with pytest.raises(FusionError, match=r"\[differentiate\] stage 'p' \(prod over j\): only sum, max and min"):
+        differentiate(program, ("x",))
+
+
+def test_attention_variants_backward_equals_autograd() -> None:
+    """Masks, a learnable ALiBi slope, a relative-position table, softcap, GQA, rows with no
+    visible key, decode: the programs `nf.attention` compiles, differentiated and run unfused."""
+    torch.manual_seed(0)
+    lq, lk, hq, hkv = 9, 13, 4, 2
+    table = torch.randn(hq, lq + lk)
+
+    def mods(slopes, table):  # noqa: ANN001, ANN202
+        def alibi(s, b, h, i, j):
+            return s + slopes[h] * (j - i)
+
+        def relative(s, b, h, i, j):
+            return s + table[h, i - j + lk]
+
+        def softcap(s, b, h, i, j):
+            return 5.0 * torch.tanh(s / 5.0)
+
+        return {"alibi": alibi, "relative": relative, "softcap": softcap}
+
+    def window(b, h, i, j):
+        return (i + lk - lq >= j) & (i + lk - lq - j < 5)  # (rows that see no key: the kernel tests)
+
+    for name in ("alibi", "relative", "softcap"):
+        for shape_q in ((1, hq, lq, 8), (1, hq, 1, 8)):
+            q, k, v = torch.randn(*shape_q), torch.randn(1, hkv, lk, 8), torch.randn(1, hkv, lk, 8)
+            slopes = torch.rand(hq)
+            score = mods(slopes, table)[name]
+            prog = nf.attention_program(q, k, v, score_mod=score, mask_mod=window, enable_gqa=True)
+            args = nf.attention_inputs(q, k, v, score_mod=score, mask_mod=window, enable_gqa=True)
+            params = {"scale": args.pop("scale")}
+            wrt = tuple(n for n, t in args.items() if t.is_floating_point())
+            got, want, _ = reference_backward(prog, args, params, wrt)
+            assert_grads(got, want)
+
+
+# --------------------------------------------------------------------------- finite differences
+
+
+class _ReferenceFunction(torch.autograd.Function):
+    """The derived forward and backward programs, run by the reference executor (for gradcheck)."""
+
+    @staticmethod
+    def forward(ctx, program, names, *tensors):  # noqa: ANN001, ANN205
+        g = differentiate(program, names)
+        named = dict(zip(names, tensors))
+        outs = _tuple(nf.run_reference(g.forward, named, dtype=torch.float64))
+        ctx.g, ctx.names, ctx.program = g, names, program
+        ctx.save_for_backward(*tensors, *outs)
+        return outs[: len(program.outputs)][0]
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        g, names = ctx.g, ctx.names
+        tensors, outs = ctx.saved_tensors[: len(names)], ctx.saved_tensors[len(names):]
+        named = dict(zip(names, tensors))
+        named.update(zip(g.saved, outs[len(ctx.program.outputs):]))
+        for i in g.outputs_read:
+            o = ctx.program.outputs[i]
+            named[o.stage] = outs[i].reshape([s for s, d in zip(outs[i].shape, o.dims) if d is not None])
+        named[grad_name(0)] = grad
+        args = {b.name: named[b.name] for b in g.backward.inputs}
+        got = dict(zip(g.nonzero, _tuple(nf.run_reference(g.backward, args, dtype=torch.float64))))
+        return (None, None, *(got.get(n, torch.zeros_like(t)) for n, t in zip(names, tensors)))
+
+
+@pytest.mark.parametrize("program,shapes", [
+    (softmax_pooling, {"x": (3, 5), "v": (3, 5)}),
+    (logsumexp, {"x": (3, 6)}),
+    (layernorm_matmul, {"x": (3, 4), "w": (4, 2)}),
+], ids=["softmax_pooling", "logsumexp", "layernorm_matmul"])
+def test_finite_differences(program, shapes) -> None:  # noqa: ANN001
+    torch.manual_seed(0)
+    args = {n: torch.randn(*s, dtype=torch.float64, requires_grad=True) for n, s in shapes.items()}
+    traced = program.trace(**{n: t.detach().float() for n, t in args.items()})
+    assert torch.autograd.gradcheck(lambda *t: _ReferenceFunction.apply(traced, tuple(args), *t),
+                                    tuple(args.values()), eps=1e-6, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- compiled kernels
+
+
+def dense_attention(q, k, v, score=None, keep=None):  # noqa: ANN001, ANN201
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    lq, lk = q.shape[2], k.shape[2]
+    i = torch.arange(lq)[:, None]
+    j = torch.arange(lk)[None]
+    h = torch.arange(q.shape[1])[:, None, None]
+    if score is not None:
+        s = score(s, 0, h, i, j)
+    if keep is not None:
+        s = s.masked_fill(~keep(0, h, i, j), -math.inf)
+    return torch.softmax(s, -1).nan_to_num(0.0) @ v
+
+
+def _check_attention(lq: int, lk: int, hq: int, hkv: int, score_maker=None, mask=None, block: bool = False,
+                     tol: float = 2e-4) -> None:  # noqa: ANN001
+    torch.manual_seed(lq * 100 + lk)
+    q = torch.randn(1, hq, lq, 16, dtype=torch.float64)
+    k, v = (torch.randn(1, hkv, lk, 16, dtype=torch.float64) for _ in range(2))
+    extra = [torch.rand(hq, dtype=torch.float64)] if score_maker is not None else []
+    leaves = [t.float().requires_grad_() for t in (q, k, v, *extra)]
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v, *extra)]
+    score = score_maker(leaves[3]) if score_maker else None
+    mask_arg: dict = {}
+    if mask is not None:
+        if block:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            mask_arg["block_mask"] = create_block_mask(mask, None, None, lq, lk, device="cpu", BLOCK_SIZE=16)
+        else:
+            mask_arg["mask_mod"] = mask
+    out = nf.attention(*leaves[:3], score_mod=score, enable_gqa=hq != hkv, **mask_arg)
+    assert out.grad_fn is not None
+    seed = torch.randn(1, hq, lq, 16, dtype=torch.float64)
+    got = torch.autograd.grad(out, leaves, seed.float())
+    want = torch.autograd.grad(dense_attention(*ref_leaves[:3], score_maker(ref_leaves[3]) if score_maker else None,
+                                               mask), ref_leaves, seed)
+    for a, b in zip(got, want):
+        assert not torch.isnan(a).any()
+        torch.testing.assert_close(a.double(), b, atol=tol * max(1.0, b.abs().max().item()), rtol=tol)
+
+
+def test_causal_attention_gradients_in_kernels() -> None:
+    _check_attention(40, 40, 2, 2, mask=lambda b, h, i, j: i >= j)
+
+
+def test_alibi_learnable_slopes_gqa_window_and_empty_rows_in_kernels() -> None:
+    def alibi(slopes):  # noqa: ANN001, ANN202
+        return lambda s, b, h, i, j: s + slopes[h] * (j - i)
+
+    _check_attention(37, 45, 4, 2, alibi, mask=lambda b, h, i, j: (i + 8 >= j) & (i + 8 - j < 12) & (i >= 3))
+
+
+def test_document_block_mask_and_decode_in_kernels() -> None:
+    doc = torch.tensor([0] * 13 + [1] * 20 + [2] * 15)
+    _check_attention(48, 48, 2, 2, mask=lambda b, h, i, j: (doc[i] == doc[j]) & (i >= j), block=True)
+    _check_attention(1, 45, 4, 1, lambda slopes: lambda s, b, h, i, j: 5.0 * torch.tanh(s / 5.0) + 0 * slopes[h])
+
+
+@pytest.mark.parametrize("program,shapes", [
+    (softmax_pooling, {"x": (16, 40), "v": (16, 40)}),
+    (logsumexp, {"x": (16, 40)}),
+], ids=["softmax_pooling", "logsumexp"])
+def test_compiled_programs_backward(program, shapes) -> None:  # noqa: ANN001
+    torch.manual_seed(0)
+    args = {n: torch.randn(*s, dtype=torch.float64) for n, s in shapes.items()}
+    leaves = {n: t.float().requires_grad_() for n, t in args.items()}
+    out = nf.compile(program)(**leaves)
+    seed = torch.randn(out.shape, dtype=torch.float64)
+    got = torch.autograd.grad(out, list(leaves.values()), seed.float())
+    ref = {n: t.clone().requires_grad_() for n, t in args.items()}
+    dense = nf.run_reference(program.trace(**leaves), ref, dtype=torch.float64)
+    want = torch.autograd.grad(dense, list(ref.values()), seed)
+    assert_grads(got, want, tol=1e-4)
+
+
+def test_compiled_linear_cross_entropy_backward() -> None:
+    torch.manual_seed(0)
+    h, w = torch.randn(24, 16, dtype=torch.float64), torch.randn(40, 16, dtype=torch.float64)
+    target = torch.randint(0, 40, (24,))
+    hl, wl = h.float().requires_grad_(), w.float().requires_grad_()
+    loss = nf.compile(linear_cross_entropy)(hl, wl, target).mean()
+    loss.backward()
+    hr, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
+    torch.nn.functional.cross_entropy(hr @ wr.T, target).backward()
+    assert_grads([hl.grad, wl.grad], [hr.grad, wr.grad], tol=1e-4)
