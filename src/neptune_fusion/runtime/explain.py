@@ -17,12 +17,14 @@ from neptune_fusion.tile.ir import format_tile_kernel
 
 
 def explain(program: ProgramDef | Program | Compiled | Callable[..., Any], *args: Any,
-            schedule: Schedule | None = None, **kwargs: Any) -> str:
+            schedule: Schedule | None = None, backward: bool = False, **kwargs: Any) -> str:
     """The input program, each fusion pass (with the derived repair terms), the tile program and Triton source.
 
     `program` is a `@nf.program`, a compiled function, or a traced `Program` (e.g. from
     `nf.attention_program`); arguments are passed as for a call (for a `Program`: its inputs,
-    then its scalar parameters, in order, or by name).
+    then its scalar parameters, in order, or by name). With `backward=True`, also the derived
+    backward (with respect to the float tensor inputs that require grad, or all of them): what
+    the forward saves, the backward program, and each of its kernels explained the same way.
     """
     if isinstance(program, Program):
         prog = program
@@ -36,6 +38,8 @@ def explain(program: ProgramDef | Program | Compiled | Callable[..., Any], *args
         prog = compiled.program_def.trace(**named)
     exe = compiled.executable_for(prog, named)
     out: list[str] = []
+    if backward:
+        return _explain_backward(prog, named, schedule, explain(compiled, **named))
 
     def section(title: str, body: str) -> None:
         out.append(f"=== {title} ===")
@@ -64,4 +68,38 @@ def explain(program: ProgramDef | Program | Compiled | Callable[..., Any], *args
             if kernel is not None:
                 section(f"{title}: tile program", format_tile_kernel(kernel.tile))
                 section(f"{title}: Triton source", kernel.source)
+    return "\n".join(out)
+
+
+def _explain_backward(program: Program, named: dict[str, Any], schedule: Schedule | None, forward: str) -> str:
+    """The forward's explanation, then the derived backward: its record, program and kernels."""
+    import torch
+
+    from neptune_fusion.runtime.reference import axis_extents
+    from neptune_fusion.schedule.partition import partition_loops
+    from neptune_fusion.transform.grad import differentiate
+
+    floats = [b.name for b in program.inputs if b.kind == "float" and named[b.name].is_floating_point()]
+    wrt = tuple(n for n in floats if named[n].requires_grad) or tuple(floats)
+    gradient = differentiate(program, wrt)
+    out = [forward, "=== derived backward ===",
+           f"with respect to {list(wrt)}; zero by structure: {sorted(set(wrt) - set(gradient.nonzero))}",
+           f"saved by the forward: {list(gradient.saved)}; recovered from outputs: {list(gradient.recovered)}",
+           f"stabilisers proved gradient-free: {list(gradient.free_stabilisers)}; held axes: {sorted(gradient.held)}",
+           "", format_program(gradient.backward), ""]
+    sizes = axis_extents(program, named)
+    example = next(named[n] for n in floats)
+    for i, group in enumerate(partition_loops(gradient.backward, gradient.held)):
+        args: dict[str, Any] = {p: named[p] for p in group.program.params}
+        for buf in group.program.inputs:
+            if buf.name in named:
+                args[buf.name] = named[buf.name]
+            else:  # saved statistics, output gradients and other kernels' results: random stand-ins
+                shape = [sizes.get(a, 1) if a else 1 for a in buf.dims]
+                args[buf.name] = torch.randn(shape, device=example.device, dtype=torch.float32)
+        out.append(f"=== backward kernel {i}: {group.program.name} (results {list(group.results)}) ===")
+        try:
+            out.append(explain(group.program, **args, schedule=None))
+        except Exception as exc:  # noqa: BLE001 - an element-wise kernel runs unfused: say so
+            out.append(f"(runs unfused: {exc})")
     return "\n".join(out)

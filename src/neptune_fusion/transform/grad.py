@@ -36,6 +36,7 @@ Example:
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 
 from neptune_fusion.algebra import symbolic
@@ -212,10 +213,25 @@ class _Reverse:
             d = partial(inner, load)
             if d is None:
                 continue
-            contribution = simplify(_times(upstream, d))
-            if zero is not None:
-                contribution = Where(zero, Const(0.0), contribution)
+            if zero is None:
+                contribution = simplify(_times(upstream, d))
+            elif self.plain(d):  # guard the adjoint alone: the product stays a contraction (a dot)
+                contribution = simplify(_times(Where(zero, Const(0.0), upstream), d))
+            else:  # the partial may hold what the forward discarded (0 / 0): guard the product
+                contribution = Where(zero, Const(0.0), simplify(_times(upstream, d)))
             self.contribute(stage, load, contribution, frame)
+
+    def plain(self, expr: Expr) -> bool:
+        """Whether `expr` is an input's value (directly or through stages that only load): finite
+        wherever the input is, so a zero adjoint times it is zero without a guard of its own."""
+        if isinstance(expr, Const):
+            return not isinstance(expr.value, float) or math.isfinite(expr.value)
+        if not isinstance(expr, Load):
+            return False
+        if expr.buffer in self.inputs:
+            return True
+        stage = self.stages.get(expr.buffer)
+        return stage is not None and stage.reduce_op is None and self.plain(stage.body)
 
     def contribute(self, stage: Stage, load: Load, value: Expr, frame: tuple[str, ...]) -> None:
         """Add `value` (over `frame`) to the adjoint of the buffer `load` reads. The frame axes the
