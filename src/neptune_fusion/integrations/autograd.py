@@ -1,7 +1,7 @@
 """Autograd for `nf.compile`d programs: the backward the compiler derives, as torch's backward.
 
-A call whose float inputs require grad (in grad mode) runs through `ProgramFunction`, a
-`torch.autograd.Function`: its forward runs the program with the statistics its backward needs
+A call whose float inputs require grad (in grad mode) runs as one registered op with a registered
+backward (`call_with_grad`): its forward runs the program with the statistics its backward needs
 as extra outputs (`transform/grad.py` decides which: never a query-by-key matrix), its backward
 runs the derived backward program, compiled and fused by the same pipeline. Both are ordinary
 `Compiled` functions, so inside torch.compile each is one registered op of the graph. A program
@@ -23,16 +23,17 @@ from typing import Any
 import torch
 
 from neptune_fusion.analysis.chains import chain_axis
+from neptune_fusion.integrations.ops import call_in_graph
 from neptune_fusion.ir.program import Program
 from neptune_fusion.lang.trace import FixedProgram
 from neptune_fusion.runtime import compiled as _compiled
-from neptune_fusion.runtime.compiled import Compiled, install_allocator
+from neptune_fusion.runtime.compiled import Compiled, output_specs
 from neptune_fusion.runtime.reference import run_reference
 from neptune_fusion.schedule.partition import Group, partition_loops
 from neptune_fusion.schedule.templates import Auto
 from neptune_fusion.transform.grad import Gradient, differentiate, grad_name
 
-__all__ = ["Derived", "ProgramFunction", "derived_for"]
+__all__ = ["Derived", "Kernels", "call_with_grad", "derived_for"]
 
 
 class Unfused:
@@ -66,7 +67,7 @@ class Kernels:
         for group, fn in self.steps:
             args = {b.name: pool[b.name] for b in group.program.inputs}
             args.update({p: named[p] for p in group.program.params})
-            result = fn(**args)
+            result = call_in_graph(fn, (), args) if isinstance(fn, Compiled) else fn(**args)
             for name, value in zip(group.results, result if isinstance(result, tuple) else (result,)):
                 if name.startswith("output:"):
                     outs[int(name.split(":")[1])] = value
@@ -100,63 +101,112 @@ def derived_for(fn: Compiled, program: Program, wrt: tuple[str, ...]) -> Derived
     return found
 
 
-class ProgramFunction(torch.autograd.Function):
-    """One call of a compiled program with its derived backward."""
+@dataclass(frozen=True)
+class _Entry:
+    """What the registered training op needs apart from tensors and numbers."""
 
-    @staticmethod
-    def forward(ctx: Any, derived: Derived, names: tuple[str, ...], scalars: dict[str, Any],
-                *tensors: torch.Tensor) -> Any:
-        named = {**dict(zip(names, tensors)), **scalars}
-        result = derived.forward(**named)
-        result = result if isinstance(result, tuple) else (result,)
-        count = len(derived.program.outputs) - len(derived.gradient.saved)
-        outs, saved = result[:count], result[count:]
-        ctx.derived, ctx.names, ctx.scalars, ctx.count = derived, names, scalars, count
-        ctx.save_for_backward(*tensors, *outs, *saved)
-        ctx.mark_non_differentiable(*(o for o in outs if not o.is_floating_point()))
-        return outs[0] if count == 1 else outs
+    derived: Derived
+    names: tuple[str, ...]  # the call's arguments, in order
+    kinds: tuple[str, ...]  # "tensor" | "float" | "int" per argument
 
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
-        install_allocator()  # autograd's own thread: Triton's allocator is per thread
-        derived: Derived = ctx.derived
-        gradient = derived.gradient
-        stored = ctx.saved_tensors
-        tensors, outs, saved = stored[:len(ctx.names)], stored[len(ctx.names):][:ctx.count], stored[len(ctx.names) + ctx.count:]
-        by_name = dict(zip(ctx.names, tensors))
-        values: dict[str, Any] = {}
-        outputs = derived.program.outputs
-        for i in gradient.outputs_read:  # read with the stage's own axes: size-1 dims dropped
-            out = outs[i]
-            values[outputs[i].stage] = out.reshape([n for n, d in zip(out.shape, outputs[i].dims) if d is not None])
-        values.update(zip(gradient.saved, saved))
-        for i in gradient.grads_read:
-            g = grads[i]
-            values[grad_name(i)] = torch.zeros_like(outs[i]) if g is None else g.contiguous()
-        args = {b.name: by_name[b.name] if b.name in by_name else values[b.name] for b in gradient.backward.inputs}
-        result = derived.backward(**args, **ctx.scalars)
-        result = result if isinstance(result, tuple) else (result,)
-        found = dict(zip(gradient.nonzero, result))
-        out: list[torch.Tensor | None] = []
-        for name, tensor in zip(ctx.names, tensors):
-            if name not in gradient.wrt:
-                out.append(None)
-            elif name in found:
-                out.append(found[name].to(tensor.dtype).reshape(tensor.shape))
-            else:
-                out.append(torch.zeros_like(tensor))
-        return (None, None, None, *out)
+    def named(self, tensors: list[torch.Tensor], floats: list[float], ints: list[int]) -> dict[str, Any]:
+        sources = {"tensor": iter(tensors), "float": iter(floats), "int": iter(ints)}
+        return {n: next(sources[k]) for n, k in zip(self.names, self.kinds)}
+
+
+_entries: list[_Entry] = []
+_entry_of: dict[tuple[Any, ...], int] = {}
+
+
+@torch._dynamo.assume_constant_result
+def _training_handle(fn: Compiled, names: tuple[str, ...], kinds: tuple[str, ...], wrt: tuple[str, ...],
+                     shapes: tuple[tuple[int, ...], ...], dtypes: tuple[str, ...], numbers: tuple[Any, ...]) -> int:
+    """The handle of (function, call layout, wrt) with its derived backward: traced and derived
+    once, outside torch.compile's tracing (SymPy proves what it needs there)."""
+    key = (id(fn), names, kinds, wrt, shapes, dtypes, numbers)
+    if key not in _entry_of:
+        examples = iter(torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
+                        for shape, dtype in zip(shapes, dtypes))
+        values = iter(numbers)
+        named = {n: next(examples) if k == "tensor" else next(values) for n, k in zip(names, kinds)}
+        program = fn.program_def.trace(**named)
+        _entry_of[key] = len(_entries)
+        _entries.append(_Entry(derived_for(fn, program, wrt), names, kinds))
+    return _entry_of[key]
+
+
+@torch.library.custom_op("neptune_fusion::train_forward", mutates_args=())
+def _train_forward(tensors: list[torch.Tensor], floats: list[float], ints: list[int], handle: int) -> list[torch.Tensor]:
+    """The forward of a call that records gradients: its outputs, then the statistics its backward reads."""
+    entry = _entries[handle]
+    result = entry.derived.forward(**entry.named(tensors, floats, ints))
+    return list(result) if isinstance(result, tuple) else [result]
+
+
+@_train_forward.register_fake
+def _(tensors: list[torch.Tensor], floats: list[float], ints: list[int], handle: int) -> list[torch.Tensor]:
+    entry = _entries[handle]
+    device = tensors[0].device
+    return [torch.empty(shape, dtype=dtype, device=device)
+            for shape, dtype in output_specs(entry.derived.forward, entry.named(tensors, floats, ints))]
+
+
+def _setup(ctx: Any, inputs: tuple[Any, ...], output: list[torch.Tensor]) -> None:
+    tensors, floats, ints, handle = inputs
+    ctx.handle, ctx.floats, ctx.ints, ctx.count = handle, floats, ints, len(tensors)
+    ctx.save_for_backward(*tensors, *output)
+
+
+def _backward(ctx: Any, grads: list[torch.Tensor | None]) -> tuple[Any, ...]:
+    entry = _entries[ctx.handle]
+    derived, gradient = entry.derived, entry.derived.gradient
+    stored = ctx.saved_tensors
+    tensors, results = list(stored[:ctx.count]), stored[ctx.count:]
+    named = entry.named(tensors, ctx.floats, ctx.ints)
+    outputs = derived.program.outputs
+    values: dict[str, Any] = {}
+    for i in gradient.outputs_read:  # read with the stage's own axes: size-1 dims dropped
+        out = results[i]
+        values[outputs[i].stage] = out.reshape([n for n, d in zip(out.shape, outputs[i].dims) if d is not None])
+    values.update(zip(gradient.saved, results[len(outputs) - len(gradient.saved):]))
+    for i in gradient.grads_read:
+        g = grads[i]
+        values[grad_name(i)] = torch.zeros_like(results[i]) if g is None else g.contiguous()
+    args = {b.name: named[b.name] if b.name in named else values[b.name] for b in gradient.backward.inputs}
+    args.update({p: named[p] for p in gradient.backward.params})
+    found = dict(zip(gradient.nonzero, derived.backward(**args)))
+    out: list[torch.Tensor | None] = []
+    for name, tensor in zip((n for n, k in zip(entry.names, entry.kinds) if k == "tensor"), tensors):
+        if name not in gradient.wrt:
+            out.append(None)
+        elif name in found:
+            out.append(found[name].to(tensor.dtype).reshape(tensor.shape))
+        else:
+            out.append(torch.zeros_like(tensor))
+    # the structure of the op's inputs, as torch flattens them: a list of numbers is one leaf, unless empty
+    return out, None if ctx.floats else [], None if ctx.ints else [], None
+
+
+_train_forward.register_autograd(_backward, setup_context=_setup)
 
 
 def call_with_grad(fn: Compiled, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """`fn(*args, **kwargs)` recorded for autograd with the program's derived backward."""
+    """`fn(*args, **kwargs)` recorded for autograd with the program's derived backward: one
+    registered op (`neptune_fusion::train_forward`, whose backward runs the backward's kernels,
+    each one `neptune_fusion::program` op), in eager calls and inside torch.compile alike."""
     named = dict(fn.program_def.bind(*args, **kwargs))
-    tensors = {n: v for n, v in named.items() if isinstance(v, torch.Tensor)}
-    scalars = {n: v for n, v in named.items() if not isinstance(v, torch.Tensor)}
-    program = fn.program_def.trace(**named)
-    wrt = tuple(n for n, t in tensors.items() if t.requires_grad and t.is_floating_point())
-    derived = derived_for(fn, program, wrt)
-    return ProgramFunction.apply(derived, tuple(tensors), scalars, *tensors.values())
+    names = tuple(named)
+    kinds = tuple("tensor" if isinstance(v, torch.Tensor) else "float" if isinstance(v, float) else "int"
+                  for v in named.values())
+    tensors = [v for v in named.values() if isinstance(v, torch.Tensor)]
+    numbers = tuple(v for v in named.values() if not isinstance(v, torch.Tensor))
+    wrt = tuple(n for n, v in named.items() if isinstance(v, torch.Tensor) and v.requires_grad and v.is_floating_point())
+    handle = _training_handle(fn, names, kinds, wrt, tuple(tuple(t.shape) for t in tensors),
+                              tuple(str(t.dtype).split(".")[-1] for t in tensors), numbers)
+    result = _train_forward(tensors, [v for v in numbers if isinstance(v, float)],
+                            [v for v in numbers if not isinstance(v, float)], handle)
+    count = len(_entries[handle].derived.program.outputs) - len(_entries[handle].derived.gradient.saved)
+    return result[0] if count == 1 else tuple(result[:count])
 
 
 _compiled.WITH_GRAD = call_with_grad
