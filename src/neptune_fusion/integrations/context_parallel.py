@@ -1,0 +1,490 @@
+"""Context parallelism: attention over a sequence sharded across the ranks of a process group.
+
+Every rank holds a shard of q, k and v along the sequence (dim 2), as `context_parallel_shard`
+cuts it (`context_parallel_plan.py`: zigzag chunks r and 2 * world - 1 - r, or contiguous
+shards; odd lengths give chunks one position apart). `context_parallel_attention` computes
+each rank's rows of the attention over the whole sequence, with score_mod / mask_mod / BlockMask
+seeing global positions, in one of two ways:
+
+- ring: the K/V shards travel around the ring (torch.distributed point-to-point, the next
+  step's transfer posted before the current step's compute); at each step every (query chunk,
+  key chunk) pair that the mask leaves visible runs our kernel (`nf.attention` with its LSE,
+  the mods shifted to the chunks' global offsets), and the partials merge through the split-K
+  combine the compiler derives from the program's repair terms (`context_parallel_merge.py`);
+- all_gather: K/V gathered once, then one kernel call per local query chunk (no merge).
+
+`strategy=None` picks the one a cost comparison of the shapes favours (`plan.estimate`).
+Fully masked pairs are skipped without a launch: the mask analysis of the program over global
+positions bounds each pair's visible elements (exact for affine masks), and a BlockMask's block
+lists rule out the pairs they do not list; data-dependent masks (document ids) leave the rest
+to the kernel's own block maps. Forward only: there is no backward yet.
+
+Runs with gloo on CPU tensors (kernels under TRITON_INTERPRET=1) and NCCL on CUDA tensors.
+Multi-GPU runs should keep NVLink multicast off: NCCL_NVLS_ENABLE=0,
+TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1 (set before the process group starts).
+
+Example (the layout only; the calls need an initialised process group, see
+examples/context_parallel.py):
+    >>> from neptune_fusion.integrations.context_parallel_plan import shard_ranges
+    >>> [shard_ranges(9, world=2, rank=r) for r in range(2)]     # zigzag, an odd length
+    [((0, 3), (7, 9)), ((3, 5), (5, 7))]
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from neptune_fusion.integrations.attention import (
+    Builtins,
+    MaskMod,
+    Outputs,
+    ScoreMod,
+    _check_grad,
+    _check_inputs,
+    _is_block_mask,
+    _keys,
+    _Request,
+    attention,
+    attention_program,
+)
+from neptune_fusion.integrations.blockmask import as_mask_mod, block_tables
+from neptune_fusion.integrations.context_parallel_merge import Merge, Partial
+from neptune_fusion.integrations.context_parallel_plan import (
+    STRATEGIES,
+    Bounds,
+    Shapes,
+    check_load_balance,
+    chunk_bounds,
+    chunk_count,
+    estimate,
+    listed_pairs,
+    machine_for,
+    pair_work,
+    rank_chunks,
+    shard_length,
+)
+from neptune_fusion.ir.program import Program
+from neptune_fusion.schedule.pipeline import fuse
+
+__all__ = ["context_parallel_attention", "context_parallel_gather", "context_parallel_shard"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_NOOP_BLOCK = 1 << 30  # FlexAttention's BLOCK_SIZE of a BlockMask that masks nothing
+_CACHE_SIZE = 256
+
+kernel_calls = 0  # attention kernel calls made by context_parallel_attention (read by tests)
+last_strategy: str | None = None  # the strategy the last call ran
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _group_of(group: Any) -> tuple[Any, int, int]:
+    """(the group, this rank's index in it, its size); raises where torch.distributed is not set up."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("torch.distributed is not initialised: call torch.distributed.init_process_group(...) "
+                         "on every rank first")
+    if group is None:
+        group = dist.group.WORLD
+    elif not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError("this process is not a member of the given group")
+    return group, rank, dist.get_world_size(group)
+
+
+def _seq_dim_of(x: Any, seq_dim: Any, name: str) -> int:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if isinstance(seq_dim, bool) or not isinstance(seq_dim, int):
+        raise TypeError(f"seq_dim must be an int, got {type(seq_dim).__name__}")
+    if not -x.dim() <= seq_dim < x.dim():
+        raise ValueError(f"seq_dim={seq_dim} is out of range for {name} of shape {tuple(x.shape)}")
+    return seq_dim % x.dim()
+
+
+def _all_gather_ints(values: list[int], device: torch.device, group: Any, world: int) -> list[list[int]]:
+    """Every rank's `values` (one small int64 collective)."""
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(everyone, mine, group=group)
+    return [t.tolist() for t in everyone]
+
+
+def _agree(rows: list[list[int]], names: tuple[str, ...], what: str) -> None:
+    """Raise the same ValueError on every rank where the ranks disagree on a field."""
+    for i, name in enumerate(names):
+        values = [row[i] for row in rows]
+        if len(set(values)) > 1:
+            raise ValueError(f"{what}: the ranks disagree on {name}: {values} (rank by rank)")
+
+
+def _check_lengths(lengths: list[int], world: int, load_balance: str | None, what: str) -> int:
+    """The global length the shards add up to; each shard must be the one the layout gives its rank."""
+    total = sum(lengths)
+    for r, n in enumerate(lengths):
+        expected = shard_length(total, world, r, load_balance)
+        if n != expected:
+            raise ValueError(
+                f"{what}: rank {r} holds {n} positions, but load_balance={load_balance!r} gives it {expected} of a "
+                f"sequence of {total} ({lengths} rank by rank); shard with nf.context_parallel_shard(x, "
+                f"load_balance={load_balance!r})")
+    return total
+
+
+def _shard_offsets(bounds: Bounds, world: int, rank: int, load_balance: str | None) -> list[tuple[int, int, int]]:
+    """(chunk id, start in the rank's shard, stop in the rank's shard) of each chunk the rank holds."""
+    out, start = [], 0
+    for c in rank_chunks(world, rank, load_balance):
+        n = bounds[c][1] - bounds[c][0]
+        out.append((c, start, start + n))
+        start += n
+    return out
+
+
+# --------------------------------------------------------------------------- shard / gather
+
+
+def context_parallel_shard(x: torch.Tensor, seq_dim: int = 2, group: Any = None,
+                           load_balance: str | None = "zigzag") -> torch.Tensor:
+    """This rank's shard of the full tensor `x` along `seq_dim`, in the layout the balancing uses.
+
+    Every rank passes the same full tensor; no communication. With "zigzag" rank r gets chunks r
+    and 2 * world - 1 - r of 2 * world, with None chunk r of world (the first `len % chunks`
+    chunks one longer). Returns a new contiguous tensor.
+
+    Example (on every rank of a group of 2, as in examples/context_parallel.py):
+        >>> x = torch.arange(10).view(1, 1, 10, 1)
+        >>> nf.context_parallel_shard(x).flatten().tolist()   # doctest: +SKIP
+        [0, 1, 2, 8, 9]                                       (rank 0; rank 1: [3, 4, 5, 6, 7])
+    """
+    dim = _seq_dim_of(x, seq_dim, "x")
+    check_load_balance(load_balance)
+    _, rank, world = _group_of(group)
+    bounds = chunk_bounds(x.shape[dim], chunk_count(world, load_balance))
+    pieces = [x.narrow(dim, bounds[c][0], bounds[c][1] - bounds[c][0]) for c in rank_chunks(world, rank, load_balance)]
+    return torch.cat(pieces, dim=dim).contiguous()
+
+
+def context_parallel_gather(x_local: torch.Tensor, seq_dim: int = 2, group: Any = None,
+                            load_balance: str | None = "zigzag") -> torch.Tensor:
+    """The full tensor from every rank's shard (the inverse of `context_parallel_shard`), on every rank.
+
+    The shards may differ in length along `seq_dim` (odd totals) but must be the ones the layout
+    gives each rank; every other dimension and the dtype must agree across ranks (checked: a
+    ValueError on every rank, not a hang).
+    """
+    dim = _seq_dim_of(x_local, seq_dim, "x_local")
+    check_load_balance(load_balance)
+    group, rank, world = _group_of(group)
+    dtype_code = _DTYPES.index(x_local.dtype) if x_local.dtype in _DTYPES else 100 + len(str(x_local.dtype))
+    shape = [s if d != dim else 0 for d, s in enumerate(x_local.shape)]
+    rows = _all_gather_ints([x_local.shape[dim], x_local.dim(), dim, dtype_code, *shape, *[0] * (8 - len(shape))],
+                            x_local.device, group, world)
+    _agree([r[1:] for r in rows], ("rank", "seq_dim", "dtype", *(f"size of dim {d}" for d in range(8))),
+           "context_parallel_gather")
+    lengths = [r[0] for r in rows]
+    total = _check_lengths(lengths, world, load_balance, "context_parallel_gather")
+    longest = max(lengths)
+    padded = x_local
+    if x_local.shape[dim] < longest:
+        pad_shape = list(x_local.shape)
+        pad_shape[dim] = longest - x_local.shape[dim]
+        padded = torch.cat([x_local, x_local.new_zeros(pad_shape)], dim=dim)
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded.contiguous(), group=group)
+    bounds = chunk_bounds(total, chunk_count(world, load_balance))
+    chunks: dict[int, torch.Tensor] = {}
+    for r, part in enumerate(parts):
+        for c, a, b in _shard_offsets(bounds, world, r, load_balance):
+            chunks[c] = part.narrow(dim, a, b - a)
+    return torch.cat([chunks[c] for c in sorted(chunks)], dim=dim)
+
+
+# --------------------------------------------------------------------------- derived pieces, cached
+
+
+_derived: OrderedDict[str, tuple[Program, Merge]] = OrderedDict()
+_work: OrderedDict[tuple[Any, ...], torch.Tensor] = OrderedDict()
+_shifted_mods: OrderedDict[tuple[Any, ...], tuple[Any, Callable[..., Any]]] = OrderedDict()
+
+
+def _remember(cache: OrderedDict[Any, Any], key: Any, value: Any) -> Any:
+    cache[key] = value
+    while len(cache) > _CACHE_SIZE:
+        cache.popitem(last=False)
+    return value
+
+
+def _fused_and_merge(program: Program) -> tuple[Program, Merge]:
+    """The fused program (its masks are analysed) and the merge derived from it, per program."""
+    key = program.fingerprint()
+    hit = _derived.get(key)
+    if hit is None:
+        fused = fuse(program)[-1].program
+        hit = _remember(_derived, key, (fused, Merge(fused)))
+    return hit
+
+
+def _pair_counts(fused: Program, q_bounds: Bounds, kv_bounds: Bounds, sizes: dict[str, int]) -> torch.Tensor:
+    key = (fused.fingerprint(), q_bounds, kv_bounds, tuple(sorted(sizes.items())))
+    hit = _work.get(key)
+    if hit is None:
+        hit = _remember(_work, key, pair_work(fused, q_bounds, kv_bounds, sizes).counts)
+    return hit
+
+
+def _shifted(mod: Any, is_score: bool, q_off: int, kv_off: int) -> Any:
+    """`mod` seeing global positions from a chunk pair's local indices. The offsets are constants
+    of the traced program, so the mask analysis keeps affine masks affine (exact loop bounds); one
+    closure per (mod, offsets), kept, so repeated calls take nf.attention's fast path."""
+    if mod is None or q_off == kv_off == 0:
+        return mod
+    key = (id(mod), is_score, q_off, kv_off)
+    hit = _shifted_mods.get(key)
+    if hit is not None and hit[0] is mod:
+        return hit[1]
+
+    if is_score:
+        def shifted_score(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+            return mod(score, b, h, q_idx + q_off, kv_idx + kv_off)
+        fn: Callable[..., Any] = shifted_score
+    else:
+        def shifted_mask(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+            return mod(b, h, q_idx + q_off, kv_idx + kv_off)
+        fn = shifted_mask
+    return _remember(_shifted_mods, key, (mod, fn))[1]
+
+
+# --------------------------------------------------------------------------- one call
+
+
+@dataclass
+class _Call:
+    """What every step of one call needs."""
+
+    score_mod: ScoreMod | None
+    mask_mod: MaskMod | None  # over global positions (a BlockMask already turned into one)
+    scale: float
+    enable_gqa: bool
+    merge: Merge
+    q_bounds: Bounds
+    kv_bounds: Bounds
+    visible: torch.Tensor  # bool (q chunks, kv chunks): pairs that may see each other
+
+
+def _attend(call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_chunk: int, kv_off: int) -> Partial:
+    global kernel_calls
+    kernel_calls += 1
+    q_off = call.q_bounds[q_chunk][0]
+    out, lse = attention(q, k, v, score_mod=_shifted(call.score_mod, True, q_off, kv_off), scale=call.scale,
+                         enable_gqa=call.enable_gqa, return_lse=True,
+                         mask_mod=_shifted(call.mask_mod, False, q_off, kv_off))
+    return Partial(out, lse)
+
+
+def _add(call: _Call, states: dict[int, Partial | None], i: int, part: Partial) -> None:
+    prev = states[i]
+    states[i] = Partial(part.out.float(), part.lse) if prev is None else call.merge(prev, part, scale=call.scale)
+
+
+def _finish(q: torch.Tensor, v: torch.Tensor, q_chunks: list[tuple[int, int, int]],
+            results: dict[int, torch.Tensor | None]) -> torch.Tensor:
+    """The local output: each query chunk's result in shard order; 0 for rows no key is visible to."""
+    outs = []
+    for c, a, b in q_chunks:
+        r = results[c]
+        outs.append(q.new_zeros((*q.shape[:2], b - a, v.shape[3])) if r is None else r.to(q.dtype))
+    return torch.cat(outs, dim=2)
+
+
+def _pack(k: torch.Tensor, v: torch.Tensor, buf: torch.Tensor) -> None:
+    buf[:k.numel()].view_as(k).copy_(k)
+    buf[k.numel():k.numel() + v.numel()].view_as(v).copy_(v)
+
+
+def _unpack(buf: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (k, v) of a shard of `length` positions packed in `buf` (k's and v's other dims)."""
+    kshape = (*k.shape[:2], length, k.shape[3])
+    vshape = (*v.shape[:2], length, v.shape[3])
+    nk = math.prod(kshape)
+    return buf[:nk].view(kshape), buf[nk:nk + math.prod(vshape)].view(vshape)
+
+
+def _ring(call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, rank: int, world: int,
+          load_balance: str | None) -> torch.Tensor:
+    q_chunks = _shard_offsets(call.q_bounds, world, rank, load_balance)
+    lengths = [shard_length(call.kv_bounds[-1][1], world, r, load_balance) for r in range(world)]
+    per_position = k.shape[0] * k.shape[1] * (k.shape[3] + v.shape[3])
+    bufs = [k.new_empty(max(lengths) * per_position) for _ in range(2 if world > 1 else 1)]
+    _pack(k, v, bufs[0])
+    nxt_peer = dist.get_global_rank(group, (rank + 1) % world)
+    prev_peer = dist.get_global_rank(group, (rank - 1) % world)
+    states: dict[int, Partial | None] = {c: None for c, _, _ in q_chunks}
+    for t in range(world):
+        src = (rank - t) % world
+        works = []
+        if t < world - 1:  # the next shard's transfer runs while this step computes
+            arriving = lengths[(src - 1) % world]
+            ops = []
+            if lengths[src]:
+                ops.append(dist.P2POp(dist.isend, bufs[0][:lengths[src] * per_position], nxt_peer, group))
+            if arriving:
+                ops.append(dist.P2POp(dist.irecv, bufs[1][:arriving * per_position], prev_peer, group))
+            works = dist.batch_isend_irecv(ops) if ops else []
+        k_src, v_src = _unpack(bufs[0], k, v, lengths[src])
+        for j, a, b in _shard_offsets(call.kv_bounds, world, src, load_balance):
+            for i, qa, qb in q_chunks:
+                if call.visible[i, j]:
+                    part = _attend(call, q[:, :, qa:qb], k_src[:, :, a:b], v_src[:, :, a:b], i, call.kv_bounds[j][0])
+                    _add(call, states, i, part)
+        for work in works:
+            work.wait()
+        bufs.reverse()
+    return _finish(q, v, q_chunks, {i: None if s is None else s.out for i, s in states.items()})
+
+
+def _all_gathered(call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, rank: int,
+                  world: int, load_balance: str | None) -> torch.Tensor:
+    q_chunks = _shard_offsets(call.q_bounds, world, rank, load_balance)
+    lengths = [shard_length(call.kv_bounds[-1][1], world, r, load_balance) for r in range(world)]
+    per_position = k.shape[0] * k.shape[1] * (k.shape[3] + v.shape[3])
+    mine = k.new_zeros(max(lengths) * per_position)
+    _pack(k, v, mine)
+    if world > 1:
+        shards = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(shards, mine, group=group)
+    else:
+        shards = [mine]
+    ks: dict[int, torch.Tensor] = {}
+    vs: dict[int, torch.Tensor] = {}
+    for r, buf in enumerate(shards):
+        k_r, v_r = _unpack(buf, k, v, lengths[r])
+        for c, a, b in _shard_offsets(call.kv_bounds, world, r, load_balance):
+            ks[c], vs[c] = k_r[:, :, a:b], v_r[:, :, a:b]
+    k_all = torch.cat([ks[c] for c in sorted(ks)], dim=2)
+    v_all = torch.cat([vs[c] for c in sorted(vs)], dim=2)
+    del shards, ks, vs
+    results: dict[int, torch.Tensor | None] = {}
+    for i, a, b in q_chunks:
+        seen = bool(call.visible[i].any())
+        results[i] = _attend(call, q[:, :, a:b], k_all, v_all, i, 0).out if seen else None
+    return _finish(q, v, q_chunks, results)
+
+
+# --------------------------------------------------------------------------- the API
+
+
+def _mask_args(block_mask: Any, mask_mod: Any, q: torch.Tensor) -> tuple[Any, Any]:
+    """(the BlockMask or None, the mask function or None), checked as nf.attention checks them."""
+    if block_mask is None and _is_block_mask(mask_mod):
+        block_mask, mask_mod = mask_mod, None
+    if block_mask is None:
+        if mask_mod is not None and not callable(mask_mod):
+            raise TypeError(f"mask_mod must be a function (b, h, q_idx, kv_idx) -> bool, got {type(mask_mod).__name__}")
+        return None, mask_mod
+    if mask_mod is not None:
+        raise ValueError("pass either block_mask= or mask_mod=, not both (a BlockMask carries its own mask_mod)")
+    if not _is_block_mask(block_mask):
+        raise TypeError(f"block_mask must be a torch.nn.attention.flex_attention.BlockMask, got "
+                        f"{type(block_mask).__name__}; pass a mask function as mask_mod=")
+    if block_mask.kv_num_blocks.device != q.device:
+        raise RuntimeError(f"Expect q/k/v and block_mask to be on the same device but got {q.device} and "
+                           f"{block_mask.kv_num_blocks.device}")
+    if tuple(block_mask.BLOCK_SIZE) == (_NOOP_BLOCK, _NOOP_BLOCK):  # flex_attention's "no mask"
+        return None, block_mask.mask_mod
+    return block_mask, None
+
+
+def _memory_budget(device: torch.device) -> int:
+    """Bytes this rank can give a gathered K/V (CUDA: what is free now; CPU: not limited here)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    return 1 << 62
+
+
+_META = ("batch", "query heads", "key/value heads", "head dim", "value head dim", "dtype", "enable_gqa",
+         "load_balance", "strategy", "whether a score_mod is given", "whether a mask is given")
+
+
+def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod: ScoreMod | None = None,
+                               block_mask: Any = None, scale: float | None = None, enable_gqa: bool = False, *,
+                               mask_mod: MaskMod | None = None, group: Any = None,
+                               load_balance: str | None = "zigzag", strategy: str | None = None) -> torch.Tensor:
+    """Attention over a sequence sharded across `group`: this rank's rows of the output.
+
+    q (B, Hq, Lq_local, E), k (B, Hkv, Lk_local, E), v (B, Hkv, Lk_local, Ev) are this rank's
+    shards of the global q, k, v, as `context_parallel_shard(x, load_balance=...)` cuts them
+    (the same `load_balance` on every rank, every call). `score_mod`, `mask_mod` and `block_mask`
+    are FlexAttention's, over GLOBAL positions: a BlockMask made by `create_block_mask` for the
+    full lengths is honoured whole (block lists and mask_mod). Returns (B, Hq, Lq_local, Ev) in
+    the input dtype, this rank's rows of `nf.attention` on the gathered tensors; rows that see
+    no key give 0. `strategy`: "ring" (K/V rotate, partials merge through the derived split-K
+    combine), "all_gather" (K/V gathered once), or None (the cheaper by `plan.estimate`, the
+    same on every rank). Collective: every rank of the group must call it.
+
+    Inputs are checked before any communication (ValueError/TypeError); then one small
+    all_gather checks that the ranks agree (shapes, dtype, flags, shard lengths) and raises the
+    same ValueError on all of them where not. No backward yet: inputs that require grad (in grad
+    mode) raise a RuntimeError. Multi-GPU (NCCL): keep NVLink multicast off with
+    NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1.
+
+    Example (on every rank, after init_process_group; see examples/context_parallel.py):
+        >>> causal = lambda b, h, q_idx, kv_idx: q_idx >= kv_idx
+        >>> q_loc, k_loc, v_loc = (nf.context_parallel_shard(t) for t in (q, k, v))   # doctest: +SKIP
+        >>> out_loc = nf.context_parallel_attention(q_loc, k_loc, v_loc, mask_mod=causal)   # doctest: +SKIP
+        >>> out = nf.context_parallel_gather(out_loc)                                    # doctest: +SKIP
+    """
+    global last_strategy
+    _, scale = _check_inputs(q, k, v, score_mod, scale, enable_gqa)
+    block_mask, mask_mod = _mask_args(block_mask, mask_mod, q)
+    if score_mod is not None and not callable(score_mod):
+        raise TypeError(f"score_mod must be a function, got {type(score_mod).__name__}")
+    check_load_balance(load_balance)
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be 'ring', 'all_gather' or None (chosen from the shapes), got {strategy!r}")
+    group, rank, world = _group_of(group)
+    walked = block_mask.mask_mod if block_mask is not None else mask_mod
+    request = _Request(score_mod, walked, Builtins(), Outputs(lse=True), bool(enable_gqa), None)
+    keys = _keys(request)[1]
+    _check_grad(q, k, v, request, (), keys.tensors, keys.paths)
+
+    (b, hq, lq, e), (_, hkv, lk, _), ev = q.shape, k.shape, v.shape[3]
+    meta = [b, hq, hkv, e, ev, _DTYPES.index(q.dtype), int(bool(enable_gqa)), load_balance is None,
+            STRATEGIES.index(strategy), score_mod is not None, block_mask is not None or mask_mod is not None]
+    rows = _all_gather_ints([lq, lk, _memory_budget(q.device), *map(int, meta)], q.device, group, world)
+    _agree([r[3:] for r in rows], _META, "context_parallel_attention")
+    q_len = _check_lengths([r[0] for r in rows], world, load_balance, "context_parallel_attention (query)")
+    kv_len = _check_lengths([r[1] for r in rows], world, load_balance, "context_parallel_attention (key/value)")
+    n = chunk_count(world, load_balance)
+    q_bounds, kv_bounds = chunk_bounds(q_len, n), chunk_bounds(kv_len, n)
+
+    listed = None
+    global_mask = mask_mod
+    if block_mask is not None:
+        tables = block_tables(block_mask, b, hq, q_len, kv_len)
+        global_mask = as_mask_mod(tables)
+        listed = listed_pairs(tables.partial, tables.full, tables.q_block, tables.kv_block, q_bounds, kv_bounds)
+    # the program over global positions: the mods unshifted, traced at a small length (the trace
+    # holds lengths symbolically); its masks and its merge serve every chunk pair
+    small = [t.new_zeros((*t.shape[:2], 2, t.shape[3])) for t in (q, k, v)]
+    program = attention_program(*small, score_mod=score_mod, scale=scale, enable_gqa=enable_gqa, return_lse=True,
+                                mask_mod=global_mask)
+    fused, merge = _fused_and_merge(program)
+    sizes = {fused.input("q").dims[2]: q_len, fused.input("k").dims[2]: kv_len}
+    counts = _pair_counts(fused, q_bounds, kv_bounds, sizes)
+    visible = counts > 0 if listed is None else (counts > 0) & listed
+    if strategy is None:
+        shapes = Shapes(b, hq, hkv, e, ev, q.element_size(), world, load_balance, q_bounds, kv_bounds)
+        strategy = estimate(counts, shapes, machine_for(q.device.type, q.dtype), min(r[2] for r in rows)).choice
+    last_strategy = strategy
+    call = _Call(score_mod, global_mask, scale, bool(enable_gqa), merge, q_bounds, kv_bounds, visible)
+    run = _ring if strategy == "ring" else _all_gathered
+    return run(call, q, k, v, group, rank, world, load_balance)
