@@ -9,6 +9,7 @@ each rank reports what its case returned, or its traceback.
 
 from __future__ import annotations
 
+import doctest
 import os
 import tempfile
 import traceback
@@ -22,6 +23,7 @@ import torch.multiprocessing as mp
 
 import neptune_fusion as nf
 from neptune_fusion.integrations import context_parallel as cp
+from neptune_fusion.integrations import context_parallel_merge, context_parallel_plan
 from neptune_fusion.integrations.context_parallel_merge import Merge, Partial
 from neptune_fusion.integrations.context_parallel_plan import (
     Shapes,
@@ -471,3 +473,8 @@ def test_merge_refuses_a_wrong_reading_of_the_kernel_outputs(monkeypatch: pytest
     monkeypatch.setattr(Merge, "state", doubled)
     with pytest.raises(FusionError, match="reading"):
         Merge(_fused(window))
+
+
+def test_docstring_examples() -> None:
+    for module in (cp, context_parallel_merge, context_parallel_plan):
+        assert doctest.testmod(module).failed == 0, module.__name__

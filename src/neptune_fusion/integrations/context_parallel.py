@@ -160,10 +160,10 @@ def context_parallel_shard(x: torch.Tensor, seq_dim: int = 2, group: Any = None,
     and 2 * world - 1 - r of 2 * world, with None chunk r of world (the first `len % chunks`
     chunks one longer). Returns a new contiguous tensor.
 
-    Example (on every rank of a group of 2, as in examples/context_parallel.py):
-        >>> x = torch.arange(10).view(1, 1, 10, 1)
-        >>> nf.context_parallel_shard(x).flatten().tolist()   # doctest: +SKIP
-        [0, 1, 2, 8, 9]                                       (rank 0; rank 1: [3, 4, 5, 6, 7])
+    Example (on rank 0 of a group of 2, as in examples/context_parallel.py; rank 1 gets 3..7):
+        >>> x = torch.arange(10).view(1, 1, 10, 1)                # doctest: +SKIP
+        >>> nf.context_parallel_shard(x).flatten().tolist()       # doctest: +SKIP
+        [0, 1, 2, 8, 9]
     """
     dim = _seq_dim_of(x, seq_dim, "x")
     check_load_balance(load_balance)
