@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 
 import neptune_fusion as nf
 from neptune_fusion.integrations import context_parallel as cp
-from neptune_fusion.integrations import context_parallel_merge, context_parallel_plan
+from neptune_fusion.integrations import context_parallel_comm, context_parallel_merge, context_parallel_plan
 from neptune_fusion.integrations.context_parallel_merge import Merge, Partial
 from neptune_fusion.integrations.context_parallel_plan import (
     Shapes,
@@ -476,5 +476,5 @@ def test_merge_refuses_a_wrong_reading_of_the_kernel_outputs(monkeypatch: pytest
 
 
 def test_docstring_examples() -> None:
-    for module in (cp, context_parallel_merge, context_parallel_plan):
+    for module in (cp, context_parallel_comm, context_parallel_merge, context_parallel_plan):
         assert doctest.testmod(module).failed == 0, module.__name__

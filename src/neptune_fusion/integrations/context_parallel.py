@@ -54,6 +54,16 @@ from neptune_fusion.integrations.attention import (
     attention_program,
 )
 from neptune_fusion.integrations.blockmask import as_mask_mod, block_tables
+from neptune_fusion.integrations.context_parallel_comm import (
+    DTYPES,
+    agree,
+    all_gather_ints,
+    check_lengths,
+    context_parallel_gather,
+    context_parallel_shard,
+    group_of,
+    shard_offsets,
+)
 from neptune_fusion.integrations.context_parallel_merge import Merge, Partial
 from neptune_fusion.integrations.context_parallel_plan import (
     STRATEGIES,
@@ -66,7 +76,6 @@ from neptune_fusion.integrations.context_parallel_plan import (
     listed_pairs,
     machine_for,
     pair_work,
-    rank_chunks,
     shard_length,
 )
 from neptune_fusion.ir.program import Program
@@ -74,138 +83,11 @@ from neptune_fusion.schedule.pipeline import fuse
 
 __all__ = ["context_parallel_attention", "context_parallel_gather", "context_parallel_shard"]
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _NOOP_BLOCK = 1 << 30  # FlexAttention's BLOCK_SIZE of a BlockMask that masks nothing
 _CACHE_SIZE = 256
 
 kernel_calls = 0  # attention kernel calls made by context_parallel_attention (read by tests)
 last_strategy: str | None = None  # the strategy the last call ran
-
-
-# --------------------------------------------------------------------------- checks
-
-
-def _group_of(group: Any) -> tuple[Any, int, int]:
-    """(the group, this rank's index in it, its size); raises where torch.distributed is not set up."""
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError("torch.distributed is not initialised: call torch.distributed.init_process_group(...) "
-                         "on every rank first")
-    if group is None:
-        group = dist.group.WORLD
-    elif not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
-    rank = dist.get_rank(group)
-    if rank < 0:
-        raise ValueError("this process is not a member of the given group")
-    return group, rank, dist.get_world_size(group)
-
-
-def _seq_dim_of(x: Any, seq_dim: Any, name: str) -> int:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if isinstance(seq_dim, bool) or not isinstance(seq_dim, int):
-        raise TypeError(f"seq_dim must be an int, got {type(seq_dim).__name__}")
-    if not -x.dim() <= seq_dim < x.dim():
-        raise ValueError(f"seq_dim={seq_dim} is out of range for {name} of shape {tuple(x.shape)}")
-    return seq_dim % x.dim()
-
-
-def _all_gather_ints(values: list[int], device: torch.device, group: Any, world: int) -> list[list[int]]:
-    """Every rank's `values` (one small int64 collective)."""
-    mine = torch.tensor(values, dtype=torch.int64, device=device)
-    everyone = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(everyone, mine, group=group)
-    return [t.tolist() for t in everyone]
-
-
-def _agree(rows: list[list[int]], names: tuple[str, ...], what: str) -> None:
-    """Raise the same ValueError on every rank where the ranks disagree on a field."""
-    for i, name in enumerate(names):
-        values = [row[i] for row in rows]
-        if len(set(values)) > 1:
-            raise ValueError(f"{what}: the ranks disagree on {name}: {values} (rank by rank)")
-
-
-def _check_lengths(lengths: list[int], world: int, load_balance: str | None, what: str) -> int:
-    """The global length the shards add up to; each shard must be the one the layout gives its rank."""
-    total = sum(lengths)
-    for r, n in enumerate(lengths):
-        expected = shard_length(total, world, r, load_balance)
-        if n != expected:
-            raise ValueError(
-                f"{what}: rank {r} holds {n} positions, but load_balance={load_balance!r} gives it {expected} of a "
-                f"sequence of {total} ({lengths} rank by rank); shard with nf.context_parallel_shard(x, "
-                f"load_balance={load_balance!r})")
-    return total
-
-
-def _shard_offsets(bounds: Bounds, world: int, rank: int, load_balance: str | None) -> list[tuple[int, int, int]]:
-    """(chunk id, start in the rank's shard, stop in the rank's shard) of each chunk the rank holds."""
-    out, start = [], 0
-    for c in rank_chunks(world, rank, load_balance):
-        n = bounds[c][1] - bounds[c][0]
-        out.append((c, start, start + n))
-        start += n
-    return out
-
-
-# --------------------------------------------------------------------------- shard / gather
-
-
-def context_parallel_shard(x: torch.Tensor, seq_dim: int = 2, group: Any = None,
-                           load_balance: str | None = "zigzag") -> torch.Tensor:
-    """This rank's shard of the full tensor `x` along `seq_dim`, in the layout the balancing uses.
-
-    Every rank passes the same full tensor; no communication. With "zigzag" rank r gets chunks r
-    and 2 * world - 1 - r of 2 * world, with None chunk r of world (the first `len % chunks`
-    chunks one longer). Returns a new contiguous tensor.
-
-    Example (on rank 0 of a group of 2, as in examples/context_parallel.py; rank 1 gets 3..7):
-        >>> x = torch.arange(10).view(1, 1, 10, 1)                # doctest: +SKIP
-        >>> nf.context_parallel_shard(x).flatten().tolist()       # doctest: +SKIP
-        [0, 1, 2, 8, 9]
-    """
-    dim = _seq_dim_of(x, seq_dim, "x")
-    check_load_balance(load_balance)
-    _, rank, world = _group_of(group)
-    bounds = chunk_bounds(x.shape[dim], chunk_count(world, load_balance))
-    pieces = [x.narrow(dim, bounds[c][0], bounds[c][1] - bounds[c][0]) for c in rank_chunks(world, rank, load_balance)]
-    return torch.cat(pieces, dim=dim).contiguous()
-
-
-def context_parallel_gather(x_local: torch.Tensor, seq_dim: int = 2, group: Any = None,
-                            load_balance: str | None = "zigzag") -> torch.Tensor:
-    """The full tensor from every rank's shard (the inverse of `context_parallel_shard`), on every rank.
-
-    The shards may differ in length along `seq_dim` (odd totals) but must be the ones the layout
-    gives each rank; every other dimension and the dtype must agree across ranks (checked: a
-    ValueError on every rank, not a hang).
-    """
-    dim = _seq_dim_of(x_local, seq_dim, "x_local")
-    check_load_balance(load_balance)
-    group, rank, world = _group_of(group)
-    dtype_code = _DTYPES.index(x_local.dtype) if x_local.dtype in _DTYPES else 100 + len(str(x_local.dtype))
-    shape = [s if d != dim else 0 for d, s in enumerate(x_local.shape)]
-    rows = _all_gather_ints([x_local.shape[dim], x_local.dim(), dim, dtype_code, *shape, *[0] * (8 - len(shape))],
-                            x_local.device, group, world)
-    _agree([r[1:] for r in rows], ("rank", "seq_dim", "dtype", *(f"size of dim {d}" for d in range(8))),
-           "context_parallel_gather")
-    lengths = [r[0] for r in rows]
-    total = _check_lengths(lengths, world, load_balance, "context_parallel_gather")
-    longest = max(lengths)
-    padded = x_local
-    if x_local.shape[dim] < longest:
-        pad_shape = list(x_local.shape)
-        pad_shape[dim] = longest - x_local.shape[dim]
-        padded = torch.cat([x_local, x_local.new_zeros(pad_shape)], dim=dim)
-    parts = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(parts, padded.contiguous(), group=group)
-    bounds = chunk_bounds(total, chunk_count(world, load_balance))
-    chunks: dict[int, torch.Tensor] = {}
-    for r, part in enumerate(parts):
-        for c, a, b in _shard_offsets(bounds, world, r, load_balance):
-            chunks[c] = part.narrow(dim, a, b - a)
-    return torch.cat([chunks[c] for c in sorted(chunks)], dim=dim)
 
 
 # --------------------------------------------------------------------------- derived pieces, cached
@@ -277,7 +159,7 @@ class _Call:
     merge: Merge
     q_bounds: Bounds
     kv_bounds: Bounds
-    visible: torch.Tensor  # bool (q chunks, kv chunks): pairs that may see each other
+    visible: list[list[bool]]  # [query chunk][key chunk]: the pairs that may see each other
 
 
 def _attend(call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_chunk: int, kv_off: int) -> Partial:
@@ -320,7 +202,7 @@ def _unpack(buf: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int) ->
 
 def _ring(call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, rank: int, world: int,
           load_balance: str | None) -> torch.Tensor:
-    q_chunks = _shard_offsets(call.q_bounds, world, rank, load_balance)
+    q_chunks = shard_offsets(call.q_bounds, world, rank, load_balance)
     lengths = [shard_length(call.kv_bounds[-1][1], world, r, load_balance) for r in range(world)]
     per_position = k.shape[0] * k.shape[1] * (k.shape[3] + v.shape[3])
     bufs = [k.new_empty(max(lengths) * per_position) for _ in range(2 if world > 1 else 1)]
@@ -340,9 +222,9 @@ def _ring(call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group:
                 ops.append(dist.P2POp(dist.irecv, bufs[1][:arriving * per_position], prev_peer, group))
             works = dist.batch_isend_irecv(ops) if ops else []
         k_src, v_src = _unpack(bufs[0], k, v, lengths[src])
-        for j, a, b in _shard_offsets(call.kv_bounds, world, src, load_balance):
+        for j, a, b in shard_offsets(call.kv_bounds, world, src, load_balance):
             for i, qa, qb in q_chunks:
-                if call.visible[i, j]:
+                if call.visible[i][j]:
                     part = _attend(call, q[:, :, qa:qb], k_src[:, :, a:b], v_src[:, :, a:b], i, call.kv_bounds[j][0])
                     _add(call, states, i, part)
         for work in works:
@@ -353,28 +235,28 @@ def _ring(call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group:
 
 def _all_gathered(call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, rank: int,
                   world: int, load_balance: str | None) -> torch.Tensor:
-    q_chunks = _shard_offsets(call.q_bounds, world, rank, load_balance)
+    q_chunks = shard_offsets(call.q_bounds, world, rank, load_balance)
     lengths = [shard_length(call.kv_bounds[-1][1], world, r, load_balance) for r in range(world)]
     per_position = k.shape[0] * k.shape[1] * (k.shape[3] + v.shape[3])
     mine = k.new_zeros(max(lengths) * per_position)
     _pack(k, v, mine)
-    if world > 1:
+    if world > 1 and mine.numel():
         shards = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(shards, mine, group=group)
-    else:
-        shards = [mine]
+    else:  # one rank, or no keys anywhere
+        shards = [mine] * world
     ks: dict[int, torch.Tensor] = {}
     vs: dict[int, torch.Tensor] = {}
     for r, buf in enumerate(shards):
         k_r, v_r = _unpack(buf, k, v, lengths[r])
-        for c, a, b in _shard_offsets(call.kv_bounds, world, r, load_balance):
+        for c, a, b in shard_offsets(call.kv_bounds, world, r, load_balance):
             ks[c], vs[c] = k_r[:, :, a:b], v_r[:, :, a:b]
     k_all = torch.cat([ks[c] for c in sorted(ks)], dim=2)
     v_all = torch.cat([vs[c] for c in sorted(vs)], dim=2)
     del shards, ks, vs
     results: dict[int, torch.Tensor | None] = {}
     for i, a, b in q_chunks:
-        seen = bool(call.visible[i].any())
+        seen = any(call.visible[i])
         results[i] = _attend(call, q[:, :, a:b], k_all, v_all, i, 0).out if seen else None
     return _finish(q, v, q_chunks, results)
 
@@ -443,48 +325,70 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         >>> out = nf.context_parallel_gather(out_loc)                                    # doctest: +SKIP
     """
     global last_strategy
+    scale, block_mask, mask_mod = _check_call(q, k, v, score_mod, block_mask, mask_mod, scale, enable_gqa,
+                                              load_balance, strategy)
+    group, rank, world = group_of(group)
+    q_len, kv_len, budget = _agree_across_ranks(q, k, v, score_mod, block_mask is not None or mask_mod is not None,
+                                                enable_gqa, load_balance, strategy, group, world)
+    call, counts = _resolve(q, k, v, score_mod, block_mask, mask_mod, scale, enable_gqa, q_len, kv_len,
+                            chunk_count(world, load_balance))
+    if strategy is None:
+        shapes = Shapes(q.shape[0], q.shape[1], k.shape[1], q.shape[3], v.shape[3], q.element_size(), world,
+                        load_balance, call.q_bounds, call.kv_bounds)
+        strategy = estimate(counts, shapes, machine_for(q.device.type, q.dtype), budget).choice
+    last_strategy = strategy
+    run = _ring if strategy == "ring" else _all_gathered
+    return run(call, q, k, v, group, rank, world, load_balance)
+
+
+def _check_call(q: Any, k: Any, v: Any, score_mod: Any, block_mask: Any, mask_mod: Any, scale: Any, enable_gqa: bool,
+                load_balance: Any, strategy: Any) -> tuple[float, Any, Any]:
+    """The local checks, before any communication: (the scale, the BlockMask, the mask function)."""
     _, scale = _check_inputs(q, k, v, score_mod, scale, enable_gqa)
     block_mask, mask_mod = _mask_args(block_mask, mask_mod, q)
-    if score_mod is not None and not callable(score_mod):
-        raise TypeError(f"score_mod must be a function, got {type(score_mod).__name__}")
     check_load_balance(load_balance)
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be 'ring', 'all_gather' or None (chosen from the shapes), got {strategy!r}")
-    group, rank, world = _group_of(group)
     walked = block_mask.mask_mod if block_mask is not None else mask_mod
     request = _Request(score_mod, walked, Builtins(), Outputs(lse=True), bool(enable_gqa), None)
     keys = _keys(request)[1]
-    _check_grad(q, k, v, request, (), keys.tensors, keys.paths)
+    _check_grad(q, k, v, request, (), keys.tensors, keys.paths)  # nf.attention's own refusal, before any rank waits
+    return scale, block_mask, mask_mod
 
+
+def _agree_across_ranks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod: Any, masked: bool,
+                        enable_gqa: bool, load_balance: str | None, strategy: str | None, group: Any,
+                        world: int) -> tuple[int, int, int]:
+    """(global query length, global key length, the smallest memory budget): one all-gather that
+    every rank checks the same way, so a misfit raises everywhere instead of hanging somewhere."""
     (b, hq, lq, e), (_, hkv, lk, _), ev = q.shape, k.shape, v.shape[3]
-    meta = [b, hq, hkv, e, ev, _DTYPES.index(q.dtype), int(bool(enable_gqa)), load_balance is None,
-            STRATEGIES.index(strategy), score_mod is not None, block_mask is not None or mask_mod is not None]
-    rows = _all_gather_ints([lq, lk, _memory_budget(q.device), *map(int, meta)], q.device, group, world)
-    _agree([r[3:] for r in rows], _META, "context_parallel_attention")
-    q_len = _check_lengths([r[0] for r in rows], world, load_balance, "context_parallel_attention (query)")
-    kv_len = _check_lengths([r[1] for r in rows], world, load_balance, "context_parallel_attention (key/value)")
-    n = chunk_count(world, load_balance)
-    q_bounds, kv_bounds = chunk_bounds(q_len, n), chunk_bounds(kv_len, n)
+    meta = [b, hq, hkv, e, ev, DTYPES.index(q.dtype), int(bool(enable_gqa)), load_balance is None,
+            STRATEGIES.index(strategy), score_mod is not None, masked]
+    rows = all_gather_ints([lq, lk, _memory_budget(q.device), *map(int, meta)], q.device, group, world)
+    agree([r[3:] for r in rows], _META, "context_parallel_attention")
+    q_len = check_lengths([r[0] for r in rows], world, load_balance, "context_parallel_attention (query)")
+    kv_len = check_lengths([r[1] for r in rows], world, load_balance, "context_parallel_attention (key/value)")
+    return q_len, kv_len, min(r[2] for r in rows)
 
+
+def _resolve(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod: Any, block_mask: Any, mask_mod: Any,
+             scale: float, enable_gqa: bool, q_len: int, kv_len: int, chunks: int) -> tuple[_Call, torch.Tensor]:
+    """The call's mods over global positions, its merge and which chunk pairs may see each other
+    (and the pairs' visible-element counts from the affine part of the mask, for `estimate`)."""
+    q_bounds, kv_bounds = chunk_bounds(q_len, chunks), chunk_bounds(kv_len, chunks)
     listed = None
-    global_mask = mask_mod
     if block_mask is not None:
-        tables = block_tables(block_mask, b, hq, q_len, kv_len)
-        global_mask = as_mask_mod(tables)
+        tables = block_tables(block_mask, q.shape[0], q.shape[1], q_len, kv_len)
+        mask_mod = as_mask_mod(tables)
         listed = listed_pairs(tables.partial, tables.full, tables.q_block, tables.kv_block, q_bounds, kv_bounds)
     # the program over global positions: the mods unshifted, traced at a small length (the trace
     # holds lengths symbolically); its masks and its merge serve every chunk pair
     small = [t.new_zeros((*t.shape[:2], 2, t.shape[3])) for t in (q, k, v)]
     program = attention_program(*small, score_mod=score_mod, scale=scale, enable_gqa=enable_gqa, return_lse=True,
-                                mask_mod=global_mask)
+                                mask_mod=mask_mod)
     fused, merge = _fused_and_merge(program)
     sizes = {fused.input("q").dims[2]: q_len, fused.input("k").dims[2]: kv_len}
     counts = _pair_counts(fused, q_bounds, kv_bounds, sizes)
     visible = counts > 0 if listed is None else (counts > 0) & listed
-    if strategy is None:
-        shapes = Shapes(b, hq, hkv, e, ev, q.element_size(), world, load_balance, q_bounds, kv_bounds)
-        strategy = estimate(counts, shapes, machine_for(q.device.type, q.dtype), min(r[2] for r in rows)).choice
-    last_strategy = strategy
-    call = _Call(score_mod, global_mask, scale, bool(enable_gqa), merge, q_bounds, kv_bounds, visible)
-    run = _ring if strategy == "ring" else _all_gathered
-    return run(call, q, k, v, group, rank, world, load_balance)
+    # only the affine counts (the same on every rank) go into the strategy: the ranks must agree on it
+    return _Call(score_mod, mask_mod, scale, bool(enable_gqa), merge, q_bounds, kv_bounds, visible.tolist()), counts

@@ -266,7 +266,8 @@ def estimate(counts: torch.Tensor, shapes: Shapes, machine: Machine, memory_budg
     whole K/V twice (gathered, then ordered) within `memory_budget` bytes.
     """
     w, m = shapes.world, machine
-    flops = counts.to(torch.float64) * (2.0 * shapes.batch * shapes.q_heads * (shapes.head_dim + shapes.value_dim))
+    per_element = 2.0 * shapes.batch * shapes.q_heads * (shapes.head_dim + shapes.value_dim)
+    flops = [[c * per_element for c in row] for row in counts.tolist()]
     ring = gather = 0.0
     for r in range(w):
         mine = rank_chunks(w, r, shapes.load_balance)
@@ -274,8 +275,8 @@ def estimate(counts: torch.Tensor, shapes: Shapes, machine: Machine, memory_budg
         total = 0.0
         for t in range(w):
             src, nxt = (r - t) % w, (r - t - 1) % w
-            pairs = [(i, j) for i in mine for j in rank_chunks(w, src, shapes.load_balance) if counts[i, j] > 0]
-            compute = sum(float(flops[i, j]) for i, j in pairs) / m.flops + m.latency * len(pairs)
+            pairs = [(i, j) for i in mine for j in rank_chunks(w, src, shapes.load_balance) if flops[i][j] > 0]
+            compute = sum(flops[i][j] for i, j in pairs) / m.flops + m.latency * len(pairs)
             merge = 0.0
             for i, _ in pairs:
                 if i in seen:
@@ -286,8 +287,8 @@ def estimate(counts: torch.Tensor, shapes: Shapes, machine: Machine, memory_budg
             transfer = max(shapes.kv_bytes(src), shapes.kv_bytes(nxt)) / m.link + m.latency if t < w - 1 else 0.0
             total += max(compute + merge, transfer)
         ring = max(ring, total)
-        calls = [i for i in mine if counts[i].sum() > 0]
-        compute = sum(float(flops[i].sum()) for i in calls) / m.flops + m.latency * len(calls)
+        calls = [i for i in mine if sum(flops[i]) > 0]
+        compute = sum(sum(flops[i]) for i in calls) / m.flops + m.latency * len(calls)
         gather = max(gather, compute)
     kv_total = sum(shapes.kv_bytes(r) for r in range(w))
     largest = max(shapes.kv_bytes(r) for r in range(w))
