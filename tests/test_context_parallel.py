@@ -478,3 +478,14 @@ def test_merge_refuses_a_wrong_reading_of_the_kernel_outputs(monkeypatch: pytest
 def test_docstring_examples() -> None:
     for module in (cp, context_parallel_comm, context_parallel_merge, context_parallel_plan):
         assert doctest.testmod(module).failed == 0, module.__name__
+
+
+def test_block_mask_conversion_is_kept_per_block_mask() -> None:
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    bm = create_block_mask(causal, None, None, 64, 64, device="cpu", BLOCK_SIZE=16)
+    tables, mask = cp._block_mask_mod(bm, 1, 2, 64, 64)
+    assert cp._block_mask_mod(bm, 1, 2, 64, 64)[1] is mask  # the same mask_mod: the shifted mods are found again
+    assert bool(tables.partial.any())
+    bm.kv_num_blocks.add_(0)  # written in place: its lists may have changed
+    assert cp._block_mask_mod(bm, 1, 2, 64, 64)[1] is not mask

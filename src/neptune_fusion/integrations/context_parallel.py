@@ -33,6 +33,7 @@ examples/context_parallel.py):
 from __future__ import annotations
 
 import math
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -53,7 +54,7 @@ from neptune_fusion.integrations.attention import (
     attention,
     attention_program,
 )
-from neptune_fusion.integrations.blockmask import as_mask_mod, block_tables
+from neptune_fusion.integrations.blockmask import BlockTables, as_mask_mod, block_tables
 from neptune_fusion.integrations.context_parallel_comm import (
     DTYPES,
     agree,
@@ -121,6 +122,26 @@ def _pair_counts(fused: Program, q_bounds: Bounds, kv_bounds: Bounds, sizes: dic
     if hit is None:
         hit = _remember(_work, key, pair_work(fused, q_bounds, kv_bounds, sizes).counts)
     return hit
+
+
+_block_mask_mods: OrderedDict[tuple[Any, ...], tuple[weakref.ref[Any], BlockTables, Callable[..., Any]]] = OrderedDict()
+
+
+def _block_mask_mod(block_mask: Any, batch: int, heads: int, q_len: int, kv_len: int) -> tuple[BlockTables, Any]:
+    """A BlockMask's dense tables and the mask_mod over global positions honouring it whole, kept
+    per BlockMask (and the versions of its lists): the same mask_mod object on every call, so the
+    shifted mods and nf.attention's fast path are found again instead of made anew."""
+    lists = [t for t in (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
+                         block_mask.full_kv_indices) if t is not None]
+    key = (id(block_mask), batch, heads, q_len, kv_len, tuple(t._version for t in lists))
+    hit = _block_mask_mods.get(key)
+    if hit is not None and hit[0]() is block_mask:
+        return hit[1], hit[2]
+    tables = block_tables(block_mask, batch, heads, q_len, kv_len)
+    _block_mask_mods[key] = (weakref.ref(block_mask), tables, as_mask_mod(tables))
+    while len(_block_mask_mods) > 16:
+        _block_mask_mods.popitem(last=False)
+    return tables, _block_mask_mods[key][2]
 
 
 def _shifted(mod: Any, is_score: bool, q_off: int, kv_off: int) -> Any:
@@ -378,8 +399,7 @@ def _resolve(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod: Any, 
     q_bounds, kv_bounds = chunk_bounds(q_len, chunks), chunk_bounds(kv_len, chunks)
     listed = None
     if block_mask is not None:
-        tables = block_tables(block_mask, q.shape[0], q.shape[1], q_len, kv_len)
-        mask_mod = as_mask_mod(tables)
+        tables, mask_mod = _block_mask_mod(block_mask, q.shape[0], q.shape[1], q_len, kv_len)
         listed = listed_pairs(tables.partial, tables.full, tables.q_block, tables.kv_block, q_bounds, kv_bounds)
     # the program over global positions: the mods unshifted, traced at a small length (the trace
     # holds lengths symbolically); its masks and its merge serve every chunk pair
