@@ -148,6 +148,9 @@ def document_mask(length: int, device: torch.device) -> Callable[..., Any]:
 # --------------------------------------------------------------------------- one case
 
 
+_mesh: Any = None  # one device mesh for every baseline case
+
+
 def torch_context_parallel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ref: torch.Tensor, args: Any,
                            device: torch.device, world: int) -> dict[str, Any]:
     """torch's context_parallel with SDPA (causal), on the same full inputs, sharded its own way."""
@@ -156,7 +159,10 @@ def torch_context_parallel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, re
         from torch.distributed.tensor.experimental import context_parallel
         from torch.distributed.tensor.experimental._attention import context_parallel_unshard
 
-        mesh = init_device_mesh(device.type, (world,))
+        global _mesh
+        if _mesh is None:
+            _mesh = init_device_mesh(device.type, (world,))
+        mesh = _mesh
         qb, kb, vb = q.clone(), k.clone(), v.clone()  # the context shards its buffers in place
         gqa = q.shape[1] != k.shape[1]
         with context_parallel(mesh, buffers=[qb, kb, vb], buffer_seq_dims=[2, 2, 2]):
