@@ -182,7 +182,22 @@ def case_errors(rank: int, world: int) -> dict[str, tuple[str, str]]:
     return out
 
 
-CASES: dict[str, Callable[..., Any]] = {"compare": case_compare, "round_trip": case_round_trip, "errors": case_errors}
+def case_subgroup(rank: int, world: int) -> float | None:
+    """Ranks 1 and 3 of 4 form the group: its ring neighbours are found by their global ranks."""
+    group = dist.new_group([1, 3])  # collective over the world: every rank makes it
+    if rank not in (1, 3):
+        return None
+    q, k, v = full_inputs(50, 50, 2, 2)
+    shards = [nf.context_parallel_shard(t, group=group) for t in (q, k, v)]
+    out = nf.context_parallel_attention(*shards, mask_mod=causal, group=group, strategy="ring")
+    full = nf.context_parallel_gather(out, group=group)
+    ref = nf.attention(q, k, v, mask_mod=causal)
+    torch.testing.assert_close(full, ref, **TOL)
+    return (full - ref).abs().max().item()
+
+
+CASES: dict[str, Callable[..., Any]] = {"compare": case_compare, "round_trip": case_round_trip, "errors": case_errors,
+                                        "subgroup": case_subgroup}
 
 
 # --------------------------------------------------------------------------- the worker processes
@@ -340,6 +355,11 @@ def test_four_ranks(worlds: Any, kw: dict[str, Any]) -> None:
     results = worlds(4).run("compare", **kw)
     if kw == {"mask": "causal", "lq": 101, "strategy": "ring"}:
         assert [r["calls"] for r in results] == [9, 9, 9, 9]  # zigzag balances the causal work exactly
+
+
+def test_subgroup(worlds: Any) -> None:
+    results = worlds(4).run("subgroup")
+    assert results[0] is None and results[2] is None and results[1] is not None and results[3] is not None
 
 
 # --------------------------------------------------------------------------- no process group
