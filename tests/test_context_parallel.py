@@ -171,6 +171,7 @@ def case_errors(rank: int, world: int) -> dict[str, tuple[str, str]]:
         "head_dim": _raised(lambda: attn(ql[..., :16 - 8 * rank], kl[..., :16 - 8 * rank], vl)),
         "lengths": _raised(lambda: attn(q[:, :, :3 + 6 * rank], k[:, :, :3 + 6 * rank], v[:, :, :3 + 6 * rank])),
         "load_balance_ranks": _raised(lambda: attn(ql, kl, vl, load_balance=None if rank else "zigzag")),
+        "gather_shapes": _raised(lambda: nf.context_parallel_gather(ql[:, :2 - rank])),
     }
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -339,6 +340,7 @@ def test_errors_before_and_across_ranks(worlds: Any) -> None:
         assert r["head_dim"][0] == "ValueError" and "head dim" in r["head_dim"][1]
         assert r["lengths"][0] == "ValueError" and "rank 0 holds 3 positions" in r["lengths"][1]
         assert r["load_balance_ranks"][0] == "ValueError" and "load_balance" in r["load_balance_ranks"][1]
+        assert r["gather_shapes"][0] == "ValueError" and "size of dim 1: [2, 1]" in r["gather_shapes"][1]
         assert r["block_mask_lengths"][0] == "ValueError" and "block_mask" in r["block_mask_lengths"][1]
         assert r["no_grad"][0] == "nothing"
 

@@ -29,6 +29,15 @@ from neptune_fusion.integrations.context_parallel_plan import (
 __all__ = ["context_parallel_gather", "context_parallel_shard"]
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_OTHER_DTYPES = (torch.float64, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool,
+                 torch.complex64, torch.complex128)
+_MAX_DIMS = 16
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    """A number naming `dtype` the same way on every rank (one code for all dtypes not listed)."""
+    known = DTYPES + _OTHER_DTYPES
+    return known.index(dtype) if dtype in known else len(known)
 
 
 # --------------------------------------------------------------------------- checks
@@ -132,13 +141,15 @@ def context_parallel_gather(x_local: torch.Tensor, seq_dim: int = 2, group: Any 
     """
     dim = seq_dim_of(x_local, seq_dim, "x_local")
     check_load_balance(load_balance)
-    group, rank, world = group_of(group)
-    dtype_code = DTYPES.index(x_local.dtype) if x_local.dtype in DTYPES else 100 + len(str(x_local.dtype))
+    if x_local.dim() > _MAX_DIMS:
+        raise ValueError(f"x_local has {x_local.dim()} dims; context_parallel_gather takes at most {_MAX_DIMS}")
+    group, _, world = group_of(group)
+    # every rank sends the same number of integers: the shape padded to _MAX_DIMS
     shape = [s if d != dim else 0 for d, s in enumerate(x_local.shape)]
-    rows = all_gather_ints([x_local.shape[dim], x_local.dim(), dim, dtype_code, *shape, *[0] * (8 - len(shape))],
-                            x_local.device, group, world)
-    agree([r[1:] for r in rows], ("rank", "seq_dim", "dtype", *(f"size of dim {d}" for d in range(8))),
-           "context_parallel_gather")
+    rows = all_gather_ints([x_local.shape[dim], x_local.dim(), dim, _dtype_code(x_local.dtype), *shape,
+                            *[0] * (_MAX_DIMS - len(shape))], x_local.device, group, world)
+    agree([r[1:] for r in rows], ("number of dims", "seq_dim", "dtype", *(f"size of dim {d}" for d in range(_MAX_DIMS))),
+          "context_parallel_gather")
     lengths = [r[0] for r in rows]
     total = check_lengths(lengths, world, load_balance, "context_parallel_gather")
     longest = max(lengths)
