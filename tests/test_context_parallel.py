@@ -167,6 +167,7 @@ def case_errors(rank: int, world: int) -> dict[str, tuple[str, str]]:
         "seq_dim_type": _raised(lambda: nf.context_parallel_gather(ql, seq_dim="2")),
         "both_masks": _raised(lambda: attn(ql, kl, vl, block_mask=object(), mask_mod=causal)),
         "grad": _raised(lambda: attn(ql.clone().requires_grad_(), kl, vl)),
+        "grad_captured": _raised(lambda: attn(ql, kl, vl, score_mod=alibi(torch.ones(2, requires_grad=True)))),
         # the ranks pass shapes that do not fit together: every rank raises, none hangs
         "head_dim": _raised(lambda: attn(ql[..., :16 - 8 * rank], kl[..., :16 - 8 * rank], vl)),
         "lengths": _raised(lambda: attn(q[:, :, :3 + 6 * rank], k[:, :, :3 + 6 * rank], v[:, :, :3 + 6 * rank])),
@@ -337,6 +338,7 @@ def test_errors_before_and_across_ranks(worlds: Any) -> None:
         assert r["seq_dim_type"][0] == "TypeError"
         assert r["both_masks"][0] == "ValueError" and "not both" in r["both_masks"][1]
         assert r["grad"][0] == "RuntimeError" and "no backward yet" in r["grad"][1] and "query" in r["grad"][1]
+        assert r["grad_captured"][0] == "RuntimeError" and "captures requires grad" in r["grad_captured"][1]
         assert r["head_dim"][0] == "ValueError" and "head dim" in r["head_dim"][1]
         assert r["lengths"][0] == "ValueError" and "rank 0 holds 3 positions" in r["lengths"][1]
         assert r["load_balance_ranks"][0] == "ValueError" and "load_balance" in r["load_balance_ranks"][1]

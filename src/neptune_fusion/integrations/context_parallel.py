@@ -46,7 +46,6 @@ from neptune_fusion.integrations.attention import (
     MaskMod,
     Outputs,
     ScoreMod,
-    _check_grad,
     _check_inputs,
     _is_block_mask,
     _keys,
@@ -370,11 +369,25 @@ def _check_call(q: Any, k: Any, v: Any, score_mod: Any, block_mask: Any, mask_mo
     check_load_balance(load_balance)
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be 'ring', 'all_gather' or None (chosen from the shapes), got {strategy!r}")
-    walked = block_mask.mask_mod if block_mask is not None else mask_mod
-    request = _Request(score_mod, walked, Builtins(), Outputs(lse=True), bool(enable_gqa), None)
-    keys = _keys(request)[1]
-    _check_grad(q, k, v, request, (), keys.tensors, keys.paths)  # nf.attention's own refusal, before any rank waits
+    _refuse_grad(q, k, v, score_mod, block_mask.mask_mod if block_mask is not None else mask_mod, enable_gqa)
     return scale, block_mask, mask_mod
+
+
+def _refuse_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod: Any, mask_mod: Any,
+                 enable_gqa: bool) -> None:
+    """No backward through the ring yet. Refused here, not left to nf.attention: once it has a
+    backward, the per-pair calls would carry gradients but the transfers and merges would not."""
+    if not torch.is_grad_enabled():
+        return
+    request = _Request(score_mod, mask_mod, Builtins(), Outputs(lse=True), bool(enable_gqa), None)
+    captured = _keys(request)[1].tensors  # the tensors the mods close over, found as nf.attention finds them
+    named = [("query", q), ("key", k), ("value", v), *(("a tensor score_mod or mask_mod captures", t) for t in captured)]
+    what = next((name for name, t in named if t.requires_grad), None)
+    if what is not None:
+        raise RuntimeError(
+            f"neptune_fusion context_parallel_attention has no backward yet, but {what} requires grad: its result "
+            f"would silently carry no gradient. Make the call forward-only (run it under `torch.no_grad()` or "
+            f"`torch.inference_mode()`, or pass detached tensors).")
 
 
 def _agree_across_ranks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod: Any, masked: bool,
