@@ -13,6 +13,11 @@ Example:
 import neptune_fusion.integrations.autograd  # noqa: F401  (calls whose inputs require grad get the derived backward)
 import neptune_fusion.integrations.ops  # noqa: F401  (nf.compile'd calls inside torch.compile become one op)
 from neptune_fusion.integrations.attention import attention, attention_inputs, attention_program, explain_attention
+from neptune_fusion.integrations.context_parallel import (
+    context_parallel_attention,
+    context_parallel_gather,
+    context_parallel_shard,
+)
 from neptune_fusion.ir.errors import FusionError, UnsupportedProgramError
 from neptune_fusion.lang.ops import (
     abs_,
@@ -55,3 +60,4 @@ __all__ = [
     "run_reference", "sigmoid", "sin", "size", "split_k", "sqrt", "sum", "tanh", "where",
 ]
 __all__ += ["attention", "attention_inputs", "attention_program", "explain_attention", "repeat_interleave"]
+__all__ += ["context_parallel_attention", "context_parallel_gather", "context_parallel_shard"]
