@@ -146,7 +146,7 @@ def _interpreter_from_the_start(argv: list[str] | None) -> None:
 
 
 def _bench_parser(sub: Any) -> None:
-    from neptune_fusion.benchmarks.cases import SUITES
+    from neptune_fusion.benchmarks.cases import SUITES, select
 
     p = sub.add_parser(
         "bench", help="the benchmark: every case checked against fp32 and timed beside its baselines",
@@ -156,8 +156,10 @@ def _bench_parser(sub: Any) -> None:
                     "it runs the --quick cases under the Triton interpreter.")
     p.add_argument("--suite", nargs="+", choices=SUITES, default=list(SUITES), metavar="SUITE",
                    help=f"suites to run, of {', '.join(SUITES)} (default: all)")
-    p.add_argument("--ops", nargs="+", default=None, help="only these operators (e.g. pf_causal dc_gqa)")
-    p.add_argument("--seqs", type=int, nargs="+", default=None, help="only these sequence lengths")
+    ops = ", ".join(dict.fromkeys(c.op for c in select(SUITES)))
+    p.add_argument("--ops", nargs="+", default=None, help=f"only these operators, of {ops}")
+    p.add_argument("--seqs", type=int, nargs="+", default=None,
+                   help="only these key lengths (the general suite's sizes are its own)")
     p.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds, best median kept "
                                                              "(default 3; 1 with --quick)")
     p.add_argument("--quick", action="store_true", help="a few tiny cases (what CI runs under the interpreter)")

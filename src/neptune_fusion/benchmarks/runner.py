@@ -34,7 +34,7 @@ import torch
 from neptune_fusion.benchmarks import report
 from neptune_fusion.benchmarks.cases import Case, Setup, select
 
-SOFT_FAILURE = 200  # characters of an error message kept in the results
+ERROR_CHARS = 200  # characters of an error message kept in the results
 
 
 def default_out(root: Path = Path("bench/results")) -> Path:
@@ -175,7 +175,7 @@ def _configure_torch() -> None:
 
 # --- one case -----------------------------------------------------------------------------------
 def _failure(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {str(exc).strip()[:SOFT_FAILURE]}"
+    return f"{type(exc).__name__}: {str(exc).strip()[:ERROR_CHARS]}"
 
 
 def _sync(setup: Setup) -> None:
