@@ -19,9 +19,7 @@ import torch
 
 import neptune_fusion as nf
 from bench.common import bench, environment, rel_err, warm_up_gpu, write_results
-from bench.decode import OPS as DECODE_OPS
-from bench.decode import plain, torch_plain
-from bench.flex_ops import make_case, reference_rows
+from neptune_fusion.benchmarks.cases import DECODE_OPS, make_case, plain, reference_rows, torch_plain
 
 DEVICE = "cuda"
 PREFILL_SEQS = (1024, 4096, 16384)

@@ -1,8 +1,9 @@
-"""Shared helpers of the GPU benchmarks: timing, environment record, result files.
+"""Shared helpers of the GPU scripts in bench/ (ab_attention, integration, models, general,
+decode_check): timing, environment record, result files, an fp32 attention reference, CUDA-graph
+capture. `neptune-fusion bench` (src/neptune_fusion/benchmarks) is the benchmark itself.
 
-Run on the GPU machine only. Every benchmark checks correctness against an fp32
-reference on random inputs in the same run, and times with triton.testing.do_bench
-(median, after warm-up).
+Run on the GPU machine only. Every script checks correctness against an fp32 reference on random
+inputs in the same run, and times with triton.testing.do_bench (median, after warm-up).
 """
 
 from __future__ import annotations
@@ -11,13 +12,18 @@ import json
 import os
 import platform
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch._inductor.config
 import triton
+
+from neptune_fusion.benchmarks.cases import rel_err
+from neptune_fusion.benchmarks.runner import host_us, warm_up_gpu
+
+__all__ = ["bench", "captured", "environment", "host_us", "reference", "rel_err", "try_time", "warm_up_gpu",
+           "write_results"]
 
 # many shapes and mods are compiled in one process: let FlexAttention recompile for each instead of
 # silently falling back to eager after the default limit of 8
@@ -36,28 +42,10 @@ def environment() -> dict[str, Any]:
     }
 
 
-def warm_up_gpu(seconds: float = 1.0) -> None:
-    """Run matmuls for a while so clocks have left their idle state before the first timing (the
-    first case of a process measured up to 1.5x slow otherwise, bench/NOTES.md)."""
-    a = torch.randn(4096, 4096, device="cuda", dtype=torch.float16)
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        for _ in range(10):
-            a @ a
-        torch.cuda.synchronize()
-
-
 def bench(fn: Callable[[], Any], warmup: int = 25, rep: int = 100) -> float:
     """Median time in microseconds."""
     ms = triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
     return ms * 1000.0
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    if torch.isnan(out).any():
-        return float("nan")
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def try_time(fn: Callable[[], Any], **kw: Any) -> float | None:
@@ -78,28 +66,32 @@ def write_results(name: str, payload: dict[str, Any]) -> Path:
     return path
 
 
-def host_us(call: Callable[[], Any], n: int = 300) -> float:
-    """Host time of one call while the GPU keeps up (the launches queue without waiting)."""
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(n):
-        call()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / n * 1e6
+def reference(q, k, v, score_mod, mask_mod, scale):
+    """fp32 attention with the mods applied elementwise; rows with no visible key give 0 and LSE -inf."""
+    hq, hkv = q.shape[1], k.shape[1]
+    kf, vf = k.float().repeat_interleave(hq // hkv, 1), v.float().repeat_interleave(hq // hkv, 1)
+    s = torch.einsum("bhqd,bhkd->bhqk", q.float(), kf) * scale
+    b = torch.arange(q.shape[0], device=q.device)[:, None, None, None]
+    h = torch.arange(hq, device=q.device)[None, :, None, None]
+    qi = torch.arange(q.shape[2], device=q.device)[None, None, :, None]
+    ki = torch.arange(k.shape[2], device=q.device)[None, None, None, :]
+    if score_mod is not None:
+        s = score_mod(s, b, h, qi, ki)
+    if mask_mod is not None:
+        s = s.masked_fill(~mask_mod(b, h, qi, ki), float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    return torch.einsum("bhqk,bhkd->bhqd", torch.softmax(s, -1).nan_to_num(0.0), vf), lse
 
 
-@contextmanager
-def environment_switches(env: dict[str, str]) -> Iterator[None]:
-    """Set environment switches for one variant (they are read when a kernel is compiled), then
-    restore what was there."""
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+def captured(call: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """Capture `call` in a CUDA graph (after warm-up calls on a side stream, as torch's docs ask)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    return graph, out

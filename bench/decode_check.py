@@ -13,8 +13,7 @@ import itertools
 import torch
 
 import neptune_fusion as nf
-from bench.common import environment, rel_err, write_results
-from bench.gluon_check import reference
+from bench.common import environment, reference, rel_err, write_results
 from neptune_fusion.integrations.attention import _compiled_for, _resolve
 
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1.5e-2, torch.float32: 1e-4}

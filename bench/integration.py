@@ -20,8 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import neptune_fusion as nf
-from bench.common import bench, environment, host_us, rel_err, warm_up_gpu, write_results
-from bench.graph_check import captured
+from bench.common import bench, captured, environment, host_us, rel_err, warm_up_gpu, write_results
 from neptune_fusion.integrations import attention as attention_module
 from neptune_fusion.integrations.attention import attend
 

@@ -2,6 +2,7 @@
 
 Example:
     $ neptune-fusion demo
+    $ neptune-fusion bench --suite decode --seqs 4096 16384 --out bench/results/run46
 """
 
 from __future__ import annotations
@@ -101,29 +102,13 @@ def _attention_inputs(args: argparse.Namespace) -> tuple[Any, ...]:
 
 
 def bench_cmd(args: argparse.Namespace) -> int:
-    """Time compiled plain attention against torch's SDPA on one shape (GPU), or check it (CPU)."""
-    import torch.nn.functional as F
+    """The benchmark (DESIGN.md section 5 and beyond): results.json, results.md and speedups.png in one folder."""
+    from pathlib import Path
 
-    import neptune_fusion as nf
-    from neptune_fusion.library import attention, causal_attention
+    from neptune_fusion.benchmarks import run
 
-    device, q, k, v, scale = _attention_inputs(args)
-    program = causal_attention if args.causal else attention
-    fn = nf.compile(program, schedule=nf.autotune() if args.tune else None)
-    out = fn(q, k, v, scale)
-    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=args.causal, scale=scale)
-    err = ((out.float() - ref).norm() / ref.norm()).item()
-    print(f"shape q {tuple(q.shape)} k {tuple(k.shape)}, causal={args.causal}: relative error {err:.2e}")
-    if device != "cuda":
-        print("no GPU here: timings need one (this ran a small shape under the Triton interpreter)")
-        return 0 if err < 2e-3 else 1
-    import triton
-
-    t_nf = triton.testing.do_bench(lambda: fn(q, k, v, scale), return_mode="median") * 1000
-    t_sdpa = triton.testing.do_bench(
-        lambda: F.scaled_dot_product_attention(q, k, v, is_causal=args.causal, scale=scale), return_mode="median") * 1000
-    print(f"neptune_fusion {t_nf:.1f} us   torch SDPA {t_sdpa:.1f} us   ({t_sdpa / t_nf:.2f}x)")
-    return 0 if err < 2e-3 else 1
+    return run(args.suite, ops=args.ops, seqs=args.seqs, rounds=args.rounds, quick=args.quick,
+               out=Path(args.out) if args.out else None, before=args.before)
 
 
 def tune_cmd(args: argparse.Namespace) -> int:
@@ -160,6 +145,31 @@ def _interpreter_from_the_start(argv: list[str] | None) -> None:
         os.execv(sys.executable, [sys.executable, "-m", "neptune_fusion", *(sys.argv[1:] if argv is None else argv)])
 
 
+def _bench_parser(sub: Any) -> None:
+    from neptune_fusion.benchmarks.cases import SUITES, select
+
+    p = sub.add_parser(
+        "bench", help="the benchmark: every case checked against fp32 and timed beside its baselines",
+        description="Every case of the selected suites, checked against fp32 and timed beside its baselines "
+                    "(FlashAttention-4 and FlexAttention's FLASH backend where importable) in one process. "
+                    "Writes results.json, results.md and speedups.png into one folder per run. Without a GPU "
+                    "it runs the --quick cases under the Triton interpreter.")
+    p.add_argument("--suite", nargs="+", choices=SUITES, default=list(SUITES), metavar="SUITE",
+                   help=f"suites to run, of {', '.join(SUITES)} (default: all)")
+    ops = ", ".join(dict.fromkeys(c.op for c in select(SUITES)))
+    p.add_argument("--ops", nargs="+", default=None, help=f"only these operators, of {ops}")
+    p.add_argument("--seqs", type=int, nargs="+", default=None,
+                   help="only these key lengths (the general suite's sizes are its own)")
+    p.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds, best median kept "
+                                                             "(default 3; 1 with --quick)")
+    p.add_argument("--quick", action="store_true", help="a few tiny cases (what CI runs under the interpreter)")
+    p.add_argument("--out", default=None, help="results folder (default: $OUT, else bench/results/<date>-<n>)")
+    p.add_argument("--before", default=None, metavar="MODULE",
+                   help="an earlier neptune_fusion importable under this name (bench/ab_baseline.sh), timed "
+                        "beside ours as 'before'")
+    p.set_defaults(func=bench_cmd)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `neptune-fusion`; returns the exit status."""
     _interpreter_from_the_start(argv)
@@ -171,17 +181,14 @@ def main(argv: list[str] | None = None) -> int:
     p_exp = sub.add_parser("explain", help="print every compilation stage for plain attention")
     p_exp.add_argument("--query-len", type=int, default=None, help="query length (1 for decode)")
     p_exp.set_defaults(func=explain_cmd)
-    for name, func, text in (("bench", bench_cmd, "time plain attention against torch SDPA on one shape"),
-                             ("tune", tune_cmd, "autotune plain attention for one shape")):
-        p = sub.add_parser(name, help=text)
-        p.add_argument("--seq", type=int, default=4096, help="key length (and query length unless --query-len)")
-        p.add_argument("--heads", type=int, default=32)
-        p.add_argument("--dim", type=int, default=128)
-        p.add_argument("--query-len", type=int, default=None, help="query length (1 for decode)")
-        p.add_argument("--causal", action="store_true")
-        if name == "bench":
-            p.add_argument("--tune", action="store_true", help="autotune before timing")
-        p.set_defaults(func=func)
+    _bench_parser(sub)
+    p = sub.add_parser("tune", help="autotune plain attention for one shape")
+    p.add_argument("--seq", type=int, default=4096, help="key length (and query length unless --query-len)")
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--query-len", type=int, default=None, help="query length (1 for decode)")
+    p.add_argument("--causal", action="store_true")
+    p.set_defaults(func=tune_cmd)
     args = parser.parse_args(argv)
     return int(args.func(args))
 

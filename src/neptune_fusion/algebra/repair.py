@@ -13,7 +13,6 @@ Example:
     >>> from neptune_fusion.ir.expr import Index, Load, Unary
     >>> g = Unary("exp", Load("s", (Index("j"),)) - Load("m", ()))
     >>> from neptune_fusion.ir.printer import format_expr
-from neptune_fusion.ir.program import Stage
     >>> format_expr(derive_repair("l", "sum", "j", g, ("m",)).h)
     't * exp(m.old - m.new)'
 """

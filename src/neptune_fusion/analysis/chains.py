@@ -1,7 +1,15 @@
 """Dataflow analysis: reductions along one axis and the chains of dependencies between them.
 
 Example:
-    >>> # for plain attention after inlining: {'k': ['max0', 'dot1', 'sum0']}
+    >>> import torch
+    >>> from neptune_fusion.library import attention
+    >>> from neptune_fusion.transform.inline import inline_along, inline_elementwise
+    >>> q = k = v = torch.randn(1, 2, 16, 8)
+    >>> prog = inline_along(inline_elementwise(attention.trace(q, k, v, 0.5)), "k")
+    >>> {axis: [st.name for st in stages] for axis, stages in reductions_along(prog).items()}
+    {'k': ['max0', 'dot1', 'sum0']}
+    >>> find_chains(prog)[0].depends                   # the sums read the running max
+    {'max0': (), 'dot1': ('max0',), 'sum0': ('max0',)}
 """
 
 from __future__ import annotations

@@ -8,7 +8,17 @@ can be skipped. The affine conjuncts of `cond` (`a*row + b*col + c >= 0`, |b| = 
 give loop bounds per row tile and the range of tiles where `cond` holds everywhere.
 
 Example:
-    >>> # causal q >= k gives: col < row_tile_end (visit), col + BLOCK <= row_tile_start + 1 (no mask)
+    >>> import torch
+    >>> from neptune_fusion.algebra.repair import contribution_vanishes
+    >>> from neptune_fusion.library import causal_attention
+    >>> from neptune_fusion.transform.inline import inline_along, inline_elementwise
+    >>> from neptune_fusion.transform.rolling import rolling_update
+    >>> q = k = v = torch.randn(1, 1, 16, 8)
+    >>> prog = inline_along(inline_elementwise(causal_attention.trace(q, k, v, 0.5)), "k")
+    >>> loop = rolling_update(prog, "k").stages[0]
+    >>> info = analyze_masks(loop, "q", set(), contribution_vanishes)
+    >>> [(c.row_coeff, c.col_coeff) for c in info.constraints], info.residual   # q - k >= 0: affine
+    ([(1, -1)], False)
 """
 
 from __future__ import annotations

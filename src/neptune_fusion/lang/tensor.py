@@ -512,7 +512,14 @@ def index(x: SymTensor, axis: int) -> SymTensor:
     """The position along `axis` of `x`, as an integer tensor that broadcasts against `x`.
 
     Example: causal masking on scores `s[b, h, q, k]`:
-        >>> # nf.where(nf.index(s, -2) >= nf.index(s, -1), s, -math.inf)
+        >>> import math, torch, neptune_fusion as nf
+        >>> from neptune_fusion.ir.printer import format_expr
+        >>> @nf.program
+        ... def causal_scores(q, k):
+        ...     s = nf.einsum("bhqd,bhkd->bhqk", q, k)
+        ...     return nf.where(nf.index(s, -2) >= nf.index(s, -1), s, -math.inf)
+        >>> format_expr(causal_scores.trace(torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8)).stages[-1].body)
+        'where(q >= k, dot0[b, h, q, k], -inf)'
     """
     axis = _norm_axis(axis, x.ndim)
     dim = x.dims[axis]
@@ -530,7 +537,15 @@ def size(x: SymTensor, axis: int) -> SymTensor:
     value, so programs that differ only in that length are one program (one kernel).
 
     Example: queries aligned to the end of the keys (decode over a KV cache):
-        >>> # offset = nf.size(k, -2) - nf.size(q, -2); keep = nf.index(s, -2) + offset >= nf.index(s, -1)
+        >>> import math, torch, neptune_fusion as nf
+        >>> from neptune_fusion.ir.printer import format_expr
+        >>> @nf.program
+        ... def cache_causal_scores(q, k):
+        ...     s = nf.einsum("bhqd,bhkd->bhqk", q, k)
+        ...     offset = nf.size(k, -2) - nf.size(q, -2)
+        ...     return nf.where(nf.index(s, -2) + offset >= nf.index(s, -1), s, -math.inf)
+        >>> format_expr(cache_causal_scores.trace(torch.randn(1, 1, 2, 8), torch.randn(1, 1, 6, 8)).stages[-1].body)
+        'where(q + (|k| - |q|) >= k, dot0[b, h, q, k], -inf)'
     """
     axis = _norm_axis(axis, x.ndim)
     dim = x.dims[axis]

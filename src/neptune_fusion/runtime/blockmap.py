@@ -8,8 +8,17 @@ layers sharing the same document ids) build them once; while a CUDA graph is bei
 are built every time, so that the build is part of the graph and replays follow the mask's tensors.
 
 Example:
-    >>> # maps = block_map(fused, masks, roles, sizes, args, block_row=128, block_col=64)
-    >>> # maps["__blockmap_full_count"].shape == (n_row_tiles,)
+    >>> import torch, neptune_fusion as nf
+    >>> from neptune_fusion.runtime import blockmap
+    >>> doc = torch.tensor([0] * 20 + [1] * 12)            # two documents packed in 32 tokens
+    >>> def same_doc(b, h, q_idx, kv_idx):
+    ...     return doc[q_idx] == doc[kv_idx]
+    >>> q = k = v = torch.randn(1, 1, 32, 16)
+    >>> before = blockmap.builds
+    >>> out = nf.attention(q, k, v, mask_mod=same_doc)    # builds the map ...
+    >>> out = nf.attention(q, k, v, mask_mod=same_doc)    # ... and the next call finds it
+    >>> blockmap.builds - before
+    1
 """
 
 from __future__ import annotations

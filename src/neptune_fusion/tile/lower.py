@@ -13,7 +13,21 @@ depend on the loop are computed once before it. Mask analysis splits the loop in
 tiles that need mask arithmetic and tiles that need none, and skips the rest.
 
 Example:
-    >>> # kernel = lower(fused_program, LoweringConfig(...)); print(format_tile_kernel(kernel))
+    >>> import torch
+    >>> from neptune_fusion.library import causal_attention
+    >>> from neptune_fusion.tile.lower import LoweringConfig, lower
+    >>> from neptune_fusion.transform.inline import inline_along, inline_elementwise
+    >>> from neptune_fusion.transform.rolling import rolling_update
+    >>> q = k = v = torch.randn(1, 1, 16, 8)
+    >>> fused = rolling_update(inline_along(inline_elementwise(causal_attention.trace(q, k, v, 0.5)), "k"), "k")
+    >>> config = LoweringConfig({"q": "f32", "k": "f32", "v": "f32"}, {"d": 8, "d2": 8}, block_row=16,
+    ...                         block_col=16, num_warps=4, num_stages=1)
+    >>> kernel = lower(fused, config)
+    >>> from neptune_fusion.tile.ir import format_tile_kernel
+    >>> for line in format_tile_kernel(kernel).splitlines()[:2]:
+    ...     print(line)
+    tile kernel fused_kernel: grid (cdiv(size_q, BLOCK_R), size_b * size_h), tile axes ('q', 'k', 'd', 'd2'), blocks {'BLOCK_R': 16, 'BLOCK_C': 16, 'BLOCK_D': 16, 'SIZE_D': 8, 'BLOCK_D2': 16, 'SIZE_D2': 8}, warps 4, stages 1
+      note: affine mask region (1*row + -1*col + c >= 0): tiles outside it are skipped, tiles inside it run without mask arithmetic
 """
 
 from __future__ import annotations

@@ -20,7 +20,18 @@ a block map's tile index) are recomputed by the rest; a tile load or a dot never
 needing that is left as it is. Every load happens at a tile the loop visits anyway.
 
 Example:
-    >>> # kernel = prefetch_first_dot(lower(fused, config))
+    >>> import torch
+    >>> from neptune_fusion.library import causal_attention
+    >>> from neptune_fusion.tile.lower import LoweringConfig, lower
+    >>> from neptune_fusion.transform.inline import inline_along, inline_elementwise
+    >>> from neptune_fusion.transform.rolling import rolling_update
+    >>> q = k = v = torch.randn(1, 1, 16, 8)
+    >>> fused = rolling_update(inline_along(inline_elementwise(causal_attention.trace(q, k, v, 0.5)), "k"), "k")
+    >>> config = LoweringConfig({"q": "f32", "k": "f32", "v": "f32"}, {"d": 8, "d2": 8}, block_row=16,
+    ...                         block_col=16, num_warps=4, num_stages=1)
+    >>> kernel = lower(fused, config)
+    >>> prefetch_first_dot(kernel).notes[-1]
+    "software pipelined: each loop's first dot is issued one iteration ahead"
 """
 
 from __future__ import annotations
@@ -46,8 +57,14 @@ def prefetch_scalar_loads(kernel: TileKernel) -> TileKernel:
     tiles a block map lists reads the next tile's index one iteration early, so the address of
     each tile load is known when its iteration starts (FlexAttention's kernel does this by hand).
 
-    Example:
-        >>> # kernel = prefetch_scalar_loads(lower(fused, config))
+    Example: a document mask's loop visits tiles from run-time lists, so the runtime applies it:
+        >>> import torch, neptune_fusion as nf
+        >>> doc = torch.tensor([0] * 20 + [1] * 12)
+        >>> def same_doc(b, h, q_idx, kv_idx):
+        ...     return doc[q_idx] == doc[kv_idx]
+        >>> q = k = v = torch.randn(1, 1, 32, 16)
+        >>> "the next tile's index) is read ahead" in nf.explain_attention(q, k, v, mask_mod=same_doc)
+        True
     """
     return _rewrite(kernel, lambda op: op.kind == "load" and not op.out.axes,
                     "software pipelined: each loop's first scalar load (the next tile's index) is read ahead",

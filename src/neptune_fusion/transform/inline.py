@@ -1,7 +1,13 @@
 """Inlining: replace loads of a stage by the stage's body (Program -> Program).
 
 Example:
-    >>> # inline_stages(program, lambda st: not st.reduce_op) inlines every elementwise stage
+    >>> import torch
+    >>> from neptune_fusion.library import softmax
+    >>> prog = softmax.trace(torch.randn(4, 8))
+    >>> [st.name for st in prog.stages]
+    ['max0', 'ew0', 'sum0', 'ew1']
+    >>> [st.name for st in inline_elementwise(prog).stages]   # exp(x - max0) now inside sum0
+    ['max0', 'sum0', 'ew1']
 """
 
 from __future__ import annotations

@@ -7,7 +7,18 @@ as `h // G`, which simplifies to the kv-head axis, so they no longer depend on t
 rows: one program reads each K/V tile once for all query heads of its group.
 
 Example:
-    >>> # pack_groups(fused, head="h", rows="q", group=8) -> axes (b, h_kv, h_q) with h_q = 8 * |q| rows
+    >>> import torch, neptune_fusion as nf
+    >>> from neptune_fusion.ir.printer import format_expr
+    >>> from neptune_fusion.transform.inline import inline_along, inline_elementwise
+    >>> from neptune_fusion.transform.rolling import rolling_update
+    >>> @nf.program
+    ... def gqa_scores_max(q, k):               # 8 query heads share 2 key heads
+    ...     return nf.einsum("bhqd,bhkd->bhqk", q, nf.repeat_interleave(k, 4, axis=1)).max(axis=-1)
+    >>> prog = gqa_scores_max.trace(torch.randn(1, 8, 1, 16), torch.randn(1, 2, 32, 16))
+    >>> fused = rolling_update(inline_along(inline_elementwise(prog), "k"), "k")
+    >>> (m,) = pack_groups(fused, head="h", rows="q", group=4).stages[0].members
+    >>> m.axes, format_expr(m.body)             # k no longer depends on the packed rows h_q
+    (('b', 'h_kv', 'h_q'), 'max[k](sum[d](q[b, h_kv * 4 + h_q // |q|, h_q % |q|, d] * k[b, h_kv, k, d]))')
 """
 
 from __future__ import annotations

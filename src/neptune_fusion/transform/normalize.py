@@ -5,7 +5,15 @@ the loop-invariant factors leave the reduction, so the division happens once per
 output element after the loop, and the reduction no longer depends on `n`.
 
 Example:
-    >>> # U = sum_k (P[q,k] / L[q]) * V[k,e]  ->  U_acc = sum_k P[q,k] * V[k,e];  U = U_acc / L
+    >>> import torch, neptune_fusion as nf
+    >>> from neptune_fusion.ir.printer import format_expr
+    >>> from neptune_fusion.transform.inline import inline_elementwise
+    >>> @nf.program
+    ... def weighted(x, v, w, scale):
+    ...     return nf.einsum("ij,je->ie", nf.exp(x) / w[:, None] * scale, v)
+    >>> prog = inline_elementwise(weighted.trace(torch.randn(3, 6), torch.randn(6, 2), torch.randn(3), 1.5))
+    >>> [format_expr(st.body) for st in hoist_invariant_factors(prog).stages]
+    ['sum[j](exp(x[i, j]) * v[j, e])', 'dot0_acc[i, e] * scale / w[i]']
 """
 
 from __future__ import annotations

@@ -9,7 +9,23 @@ More generally a basis sum may keep a factor with a multiplicative repair (`exp(
 the entropy of a softmax, `sum_j p_j log p_j`, fuses too (algebra/repair.py `separable_split`).
 
 Example:
-    >>> # expand_polynomial_reductions(program, "j") rewrites var = sum_j (x - mean)^2
+    >>> import torch, neptune_fusion as nf
+    >>> from neptune_fusion.ir.printer import format_program
+    >>> from neptune_fusion.transform.inline import inline_elementwise
+    >>> @nf.program
+    ... def variance(x):
+    ...     mean = x.sum(axis=-1, keepdims=True) / x.shape[-1]
+    ...     return ((x - mean) * (x - mean)).sum(axis=-1) / x.shape[-1]
+    >>> prog = inline_elementwise(variance.trace(torch.randn(4, 8)))
+    >>> print(format_program(expand_polynomial_reductions(prog, "a1")))
+    program variance(x[a0, a1]):
+      sum0[a0] = sum[a1](x[a0, a1])
+      sum1_p0[a0] = sum[a1](0.015625)
+      sum1_p1[a0] = sum[a1](-0.25 * x[a0, a1])
+      sum1_p2[a0] = sum[a1](x[a0, a1] * x[a0, a1])
+      sum1[a0] = sum0[a0] * sum0[a0] * sum1_p0[a0] + sum0[a0] * sum1_p1[a0] + sum1_p2[a0]
+      ew1[a0] = sum1[a0] / 8
+      return ew1
 """
 
 from __future__ import annotations

@@ -6,7 +6,22 @@ derived repair function whenever that running value changes (DESIGN.md section 1
 For plain attention this is exactly FlashAttention's online softmax.
 
 Example:
-    >>> # rolling_update(inline_along(prog, "k"), "k") turns max0, sum0, dot1 into one loop
+    >>> import torch
+    >>> from neptune_fusion.ir.printer import format_program
+    >>> from neptune_fusion.library import attention
+    >>> from neptune_fusion.transform.inline import inline_along, inline_elementwise
+    >>> q = k = v = torch.randn(1, 2, 16, 8)
+    >>> prog = inline_along(inline_elementwise(attention.trace(q, k, v, 0.5)), "k")
+    >>> print(format_program(rolling_update(prog, "k")))
+    program attention(q[b, h, q, d], k[b, h, k, d], v[b, h, k, d2], scale):
+      rolling loop over k:
+        max0[b, h, q] = max[k](sum[d](q[b, h, q, d] * k[b, h, k, d]) * scale)
+        dot1[b, h, q, d2] = sum[k](exp(sum[d](q[b, h, q, d] * k[b, h, k, d]) * scale - max0[b, h, q]) * v[b, h, k, d2])
+            repair when max0 change: t <- t * exp(max0.old - max0.new)
+        sum0[b, h, q] = sum[k](exp(sum[d](q[b, h, q, d] * k[b, h, k, d]) * scale - max0[b, h, q]))
+            repair when max0 change: t <- t * exp(max0.old - max0.new)
+      ew2[b, h, q, d2] = dot1[b, h, q, d2] / sum0[b, h, q]
+      return ew2
 """
 
 from __future__ import annotations

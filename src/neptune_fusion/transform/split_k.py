@@ -6,7 +6,15 @@ derived repair functions: for attention `M = max_c M_c`, `L = sum_c L_c exp(M_c 
 `U = sum_c U_c exp(M_c - M)`. This is FlashDecoding.
 
 Example:
-    >>> # split_k_update(rolling_update(p, "k"), "k", splits=8)
+    >>> import torch
+    >>> from neptune_fusion.ir.printer import format_program
+    >>> from neptune_fusion.library import attention
+    >>> from neptune_fusion.transform.inline import inline_along, inline_elementwise
+    >>> from neptune_fusion.transform.rolling import rolling_update
+    >>> q, k = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 64, 8)   # decode: one query, 64 keys
+    >>> fused = rolling_update(inline_along(inline_elementwise(attention.trace(q, k, k, 0.5)), "k"), "k")
+    >>> format_program(split_k_update(fused, "k", splits=8)).splitlines()[1]
+    '  split_k loop over k in 8 chunks (private partial states, merged by the repairs):'
 """
 
 from __future__ import annotations
