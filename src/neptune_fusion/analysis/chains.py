@@ -63,20 +63,14 @@ def transitive_reads(program: Program, name: str) -> set[str]:
 
 
 def find_chains(program: Program) -> list[Chain]:
-    """All reduction chains, longest first (ties: more members first, then a chain no reduction
-    of another axis reads before one that feeds others: the scores' contraction over the head dim
-    feeds the loop over keys, not the other way round)."""
-    along = reductions_along(program)
-    reads = {st.name: transitive_reads(program, st.name) for stages in along.values() for st in stages}
+    """All reduction chains, longest first (ties: more members first); the chain over the
+    program's `loop_axis`, where it names one, before all others."""
     chains = []
-    feeds: dict[str, bool] = {}
-    for axis, stages in along.items():
+    for axis, stages in reductions_along(program).items():
         names = [s.name for s in stages]
-        depends = {s.name: tuple(n for n in names if n in reads[s.name]) for s in stages}
+        depends = {s.name: tuple(n for n in names if n in transitive_reads(program, s.name)) for s in stages}
         chains.append(Chain(axis, tuple(names), depends))
-        feeds[axis] = any(n in reads[other.name] for n in names for a, others in along.items() if a != axis
-                          for other in others)
-    chains.sort(key=lambda c: (-c.length, -len(c.members), feeds[c.axis]))
+    chains.sort(key=lambda c: (c.axis != program.loop_axis, -c.length, -len(c.members)))
     return chains
 
 

@@ -110,6 +110,9 @@ class Program:
     axis_sizes: dict[str, tuple[str, int]] = field(default_factory=dict)
     param_kinds: dict[str, str] = field(default_factory=dict)
     derived_axes: dict[str, tuple[str, object, object]] = field(default_factory=dict)
+    # the axis the main fused loop runs over, where a transform decided it (a backward's kernel
+    # loops over queries or keys; its head-dim contractions tie with it as chains)
+    loop_axis: str | None = None
     _fingerprint: str | None = field(default=None, init=False, repr=False, compare=False)
 
     def stage(self, name: str) -> Stage:
@@ -157,7 +160,7 @@ class Program:
         text = format_program(self) + repr(self.axis_sizes) + repr(self.inputs) + repr(self.derived_axes)
         text += repr([(o.dims, o.view) for o in self.outputs])
         # kernels specialise on them: an int parameter is an i32 argument (integer loop bounds)
-        text += repr(sorted(self.param_kinds.items()))
+        text += repr(sorted(self.param_kinds.items())) + repr(self.loop_axis)
         self._fingerprint = hashlib.sha256(text.encode()).hexdigest()[:16]
         return self._fingerprint
 

@@ -17,7 +17,7 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from neptune_fusion.analysis.chains import chain_axis, transitive_reads
 from neptune_fusion.ir.expr import Cast, Index, Load, Reduce
@@ -42,15 +42,12 @@ def _reductions(program: Program) -> list[Stage]:
 def _apart(program: Program) -> tuple[set[str], str] | None:
     """(stages for a later group, why) where the main chain's kernel cannot compute them all."""
     axis = chain_axis(program)
-    if axis is None:
-        return None
+    if axis is None or program.loop_axis is not None:
+        return None  # (a program whose loop a transform chose is one kernel: partition_loops cut it)
     chain = [st for st in _reductions(program) if st.reduce_axis == axis]
     # the axes of the chain's smallest reduction are its rows and batch, tiled across programs; the
     # others of its reductions (a head dim) are held in each program's tile (tile/lower.py `assign_roles`)
-    # (less the axes contracted inside the loop's body: a head dim a backward sums over is held in
-    # the tile, whichever member has it)
-    inner = {st.reduce_axis for st in _reductions(program) if st.reduce_axis != axis and axis in st.axes}
-    tiled = set(min(chain, key=lambda st: len(set(st.axes) - inner)).axes) - inner
+    tiled = set(min(chain, key=lambda st: len(st.axes)).axes)
     across = [st.name for st in _reductions(program) if st.reduce_axis != axis and st.reduce_axis in tiled]
     if not across:
         return None
@@ -154,8 +151,10 @@ def _program(program: Program, name: str, stages: list[Stage], outputs: list[Out
         for dim, a in enumerate(b.dims):
             if a is not None:
                 axis_sizes.setdefault(a, (b.name, dim))
+    loops = {st.reduce_axis for st in stages if st.reduce_op is not None}
     out = Program(name, inputs, program.params, tuple(stages), tuple(outputs), axis_sizes,
-                  dict(program.param_kinds), dict(program.derived_axes))
+                  dict(program.param_kinds), dict(program.derived_axes),
+                  program.loop_axis if program.loop_axis in loops else None)
     out.validate()
     return out
 
@@ -312,4 +311,6 @@ def _loop_group(program: Program, members: list[str], elsewhere: set[str], mater
                   and not any(a in program.input(r).dims for r in reads if r not in by_name)
                   and not any(a in b.dims for b in inputs)}
     inputs += [program.input(n) for n in sorted(sizes_from) if n not in reads]
-    return Group(_program(program, f"{program.name}_k{index}", stages, outputs, inputs), tuple(results))
+    loop = {by_name[m].reduce_axis for m in members if by_name[m].reduce_op is not None}
+    sub = _program(program, f"{program.name}_k{index}", stages, outputs, inputs)
+    return Group(replace(sub, loop_axis=loop.pop()) if len(loop) == 1 else sub, tuple(results))

@@ -131,7 +131,7 @@ def pack_groups(program: Program, head: str, rows: str, group: int) -> Program:
     derived[outer] = ("div", head, group)
     derived[packed] = ("mulc", rows, group)
     out = Program(program.name, program.inputs, program.params, tuple(stages), outputs, dict(program.axis_sizes),
-                  dict(program.param_kinds), derived)
+                  dict(program.param_kinds), derived, program.loop_axis)
     out.validate()
     return out
 
@@ -157,4 +157,4 @@ def with_unit_row(program: Program) -> Program:
     derived = dict(program.derived_axes)
     derived[UNIT_ROW] = ("const", 1, None)
     return Program(program.name, program.inputs, program.params, program.stages, program.outputs,
-                   dict(program.axis_sizes), dict(program.param_kinds), derived)
+                   dict(program.axis_sizes), dict(program.param_kinds), derived, program.loop_axis)
