@@ -177,16 +177,23 @@ def test_opcheck_on_the_registered_ops(attn_inputs):
     torch.library.opcheck(_program_op, ([x], [], [], program_handle))
 
 
-def test_grad_inside_torch_compile_names_the_tensor(randn):
-    """Inside torch.compile the derived backward is not wired to the registered op yet: a call that
-    records gradients raises, naming the tensor, instead of returning a result without them."""
+def test_training_inside_torch_compile(randn):
+    """A Linear before attention and a learnable ALiBi slope, trained through torch.compile with
+    fullgraph=True: the derived backward is one registered op's backward, no graph break, and the
+    gradients equal the eager call's."""
     x = randn(1, H, 24, 16)
     lin = torch.nn.Linear(16, 16)
-    compiled = torch.compile(lambda x: nf.attention(lin(x), x, x), backend="aot_eager", fullgraph=True)
-    with pytest.raises(Exception, match="query requires grad"):
-        compiled(x)
-    with torch.no_grad():
-        torch.testing.assert_close(compiled(x), nf.attention(lin(x), x, x))  # forward-only is fine
+    slopes = torch.nn.Parameter(torch.rand(H))
+    alibi = make_alibi(slopes)
+
+    def step(x):
+        return nf.attention(lin(x), x, x, score_mod=alibi, mask_mod=causal).square().sum()
+
+    want = torch.autograd.grad(step(x), [lin.weight, slopes])
+    assert torch._dynamo.explain(step)(x).graph_break_count == 0
+    got = torch.autograd.grad(torch.compile(step, backend="aot_eager", fullgraph=True)(x), [lin.weight, slopes])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("lq", [1, 7, 40])

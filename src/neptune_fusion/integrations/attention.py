@@ -54,6 +54,8 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
+from neptune_fusion.integrations.autograd import train_forward as _train_forward
+from neptune_fusion.integrations.autograd import training_handle
 from neptune_fusion.integrations.blockmask import block_tables, visible
 from neptune_fusion.ir.expr import Const, simplify
 from neptune_fusion.ir.program import Program
@@ -594,24 +596,6 @@ def _needs_grad(tensors: Sequence[torch.Tensor]) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def _check_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: _Request,
-                extras: tuple[torch.Tensor, ...], captured: list[torch.Tensor], paths: tuple[Path, ...] | list[Path],
-                names: tuple[str, ...] | None = None) -> None:
-    """Inside torch.compile the derived backward is not wired to the registered op yet: a call
-    that records gradients there raises instead of returning a result without them."""
-    tensors = [q, k, v, *captured, *extras]
-    if not _needs_grad(tensors):
-        return
-    if names is None:
-        names = _capture_names(request, paths)
-    labels = ["query", "key", "value", *names, *_extra_names(request.builtins)]
-    what = next(label for label, t in zip(labels, tensors) if t.requires_grad)
-    raise RuntimeError(
-        f"neptune_fusion attention inside torch.compile has no backward yet, but {what} requires grad: its "
-        f"result would silently carry no gradient. Call nf.attention outside torch.compile to train, or make "
-        f"the call forward-only (`torch.no_grad()`, `torch.inference_mode()`, or detached tensors).")
-
-
 def _run_with_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: _Request,
                    extras: tuple[torch.Tensor, ...], scale: float, groups: int) -> tuple[torch.Tensor, ...]:
     """An eager call that records gradients: the program's derived backward (integrations/autograd.py)
@@ -741,8 +725,44 @@ def _run_compiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: _R
                                           tuple(request.outputs), request.enable_gqa, request.schedule)
     mods = (request.score_mod, request.mask_mod)
     captured = [_follow(mods, p) for p in paths]
-    _check_grad(q, k, v, request, extras, captured, paths, names)
-    return tuple(_flex_attention_op(q, k, v, [*captured, *extras], handle, scale))
+    found = [*captured, *extras]
+    if _needs_grad([q, k, v, *found]):
+        layout = tuple((tuple(t.shape), str(t.dtype).split(".")[-1], t.requires_grad) for t in (q, k, v, *found))
+        train, order = _training_handle_of(handle, layout, scale)
+        sources = (q, k, v, *found)
+        count = 1 + sum(request.outputs)
+        return tuple(_train_forward([sources[i] for i in order], [scale], [], train)[:count])
+    return tuple(_flex_attention_op(q, k, v, found, handle, scale))
+
+
+@torch._dynamo.assume_constant_result
+def _training_handle_of(handle: int, layout: tuple[tuple[Any, ...], ...], scale: float) -> tuple[int, tuple[int, ...]]:
+    """For torch.compile: the training op's handle of an attention call (resolved and derived on
+    meta tensors, once, outside the trace) and, per tensor argument of its program, which of
+    (q, k, v, *found tensors) it is."""
+    h = _handles[handle]
+    metas = [torch.empty(shape, dtype=getattr(torch, dtype), device="meta").requires_grad_(grad)
+             for shape, dtype, grad in layout]
+    q, k, v, found = metas[0], metas[1], metas[2], metas[3:]
+    extras = tuple(found[len(h.paths):])
+    call = _resolve(q, k, v, h.request, extras, scale, q.shape[1] // k.shape[1], h.keyed, found)
+    order = []
+    for value in call.args.values():
+        if isinstance(value, torch.Tensor):
+            pos = next((i for i, m in enumerate(metas) if m is value), None)
+            if pos is None:
+                raise NotImplementedError("a tensor the mods capture by identity (not a closure variable "
+                                          "torch.compile can follow) in a call that records gradients")
+            order.append(pos)
+    fn = _compiled_for(call, h.request.schedule)
+    names = tuple(call.args)
+    kinds = tuple("tensor" if isinstance(a, torch.Tensor) else "float" for a in call.args.values())
+    wrt = tuple(n for n, a in call.args.items() if isinstance(a, torch.Tensor) and a.requires_grad
+                and a.is_floating_point())
+    tensors = [a for a in call.args.values() if isinstance(a, torch.Tensor)]
+    train = training_handle(fn, names, kinds, wrt, tuple(tuple(t.shape) for t in tensors),
+                            tuple(str(t.dtype).split(".")[-1] for t in tensors), (scale,))
+    return train, tuple(order)
 
 
 def _extra_names(builtins: Builtins) -> list[str]:

@@ -33,7 +33,7 @@ from neptune_fusion.schedule.partition import Group, partition_loops
 from neptune_fusion.schedule.templates import Auto
 from neptune_fusion.transform.grad import Gradient, differentiate, grad_name
 
-__all__ = ["Derived", "Kernels", "call_with_grad", "derived_for"]
+__all__ = ["Derived", "Kernels", "call_with_grad", "derived_for", "train_forward", "training_handle"]
 
 
 class Unfused:
@@ -119,7 +119,7 @@ _entry_of: dict[tuple[Any, ...], int] = {}
 
 
 @torch._dynamo.assume_constant_result
-def _training_handle(fn: Compiled, names: tuple[str, ...], kinds: tuple[str, ...], wrt: tuple[str, ...],
+def training_handle(fn: Compiled, names: tuple[str, ...], kinds: tuple[str, ...], wrt: tuple[str, ...],
                      shapes: tuple[tuple[int, ...], ...], dtypes: tuple[str, ...], numbers: tuple[Any, ...]) -> int:
     """The handle of (function, call layout, wrt) with its derived backward: traced and derived
     once, outside torch.compile's tracing (SymPy proves what it needs there)."""
@@ -136,14 +136,14 @@ def _training_handle(fn: Compiled, names: tuple[str, ...], kinds: tuple[str, ...
 
 
 @torch.library.custom_op("neptune_fusion::train_forward", mutates_args=())
-def _train_forward(tensors: list[torch.Tensor], floats: list[float], ints: list[int], handle: int) -> list[torch.Tensor]:
+def train_forward(tensors: list[torch.Tensor], floats: list[float], ints: list[int], handle: int) -> list[torch.Tensor]:
     """The forward of a call that records gradients: its outputs, then the statistics its backward reads."""
     entry = _entries[handle]
     result = entry.derived.forward(**entry.named(tensors, floats, ints))
     return list(result) if isinstance(result, tuple) else [result]
 
 
-@_train_forward.register_fake
+@train_forward.register_fake
 def _(tensors: list[torch.Tensor], floats: list[float], ints: list[int], handle: int) -> list[torch.Tensor]:
     entry = _entries[handle]
     device = tensors[0].device
@@ -187,7 +187,7 @@ def _backward(ctx: Any, grads: list[torch.Tensor | None]) -> tuple[Any, ...]:
     return out, None if ctx.floats else [], None if ctx.ints else [], None
 
 
-_train_forward.register_autograd(_backward, setup_context=_setup)
+train_forward.register_autograd(_backward, setup_context=_setup)
 
 
 def call_with_grad(fn: Compiled, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -201,9 +201,9 @@ def call_with_grad(fn: Compiled, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     tensors = [v for v in named.values() if isinstance(v, torch.Tensor)]
     numbers = tuple(v for v in named.values() if not isinstance(v, torch.Tensor))
     wrt = tuple(n for n, v in named.items() if isinstance(v, torch.Tensor) and v.requires_grad and v.is_floating_point())
-    handle = _training_handle(fn, names, kinds, wrt, tuple(tuple(t.shape) for t in tensors),
+    handle = training_handle(fn, names, kinds, wrt, tuple(tuple(t.shape) for t in tensors),
                               tuple(str(t.dtype).split(".")[-1] for t in tensors), numbers)
-    result = _train_forward(tensors, [v for v in numbers if isinstance(v, float)],
+    result = train_forward(tensors, [v for v in numbers if isinstance(v, float)],
                             [v for v in numbers if not isinstance(v, float)], handle)
     count = len(_entries[handle].derived.program.outputs) - len(_entries[handle].derived.gradient.saved)
     return result[0] if count == 1 else tuple(result[:count])

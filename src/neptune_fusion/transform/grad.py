@@ -124,6 +124,7 @@ class _Reverse:
         self.new: list[Stage] = []
         self.taken = set(self.stages) | set(self.inputs) | set(program.params)
         self.seeds: list[int] = []
+        self.derived: dict[str, tuple[str, object, object]] = {}  # axes the backward adds (head-group members)
 
     # --- names and stages -------------------------------------------------------------
     def fresh(self, base: str) -> str:
@@ -247,6 +248,17 @@ class _Reverse:
             if isinstance(component, Index) and component.axis in frame and component.axis not in rename:
                 rename[component.axis] = Index(axis)
                 kept.append(component.axis)
+            elif (group := _group_index(component, frame, rename)) is not None:
+                # k[b, h // g]: the stage's axis h runs over g members of each of the buffer's
+                # positions, h = axis * g + j, so the sum over h is one over j < g (no where)
+                head, size = group
+                member = self.fresh(f"{head}_of_{axis}")
+                self.derived[member] = ("const", size, None)
+                value = substitute_index(value, {head: Binary("add", Binary("mul", Index(axis), Const(size)),
+                                                              Index(member))})
+                frame = tuple(member if a == head else a for a in frame)
+                kept.append(axis)
+                rename[axis] = Index(axis)
             else:  # a computed index: the gradient lands where the index equals the buffer's position
                 if axis in frame:
                     raise FusionError(PASS, stage.name, f"load of {load.buffer!r}",
@@ -313,7 +325,7 @@ class _Reverse:
         inputs += [InputBuffer(grad_name(i), program.outputs[i].dims) for i in seeds]
         outputs = tuple(OutputSpec(grads[n], self.inputs[n].dims) for n in nonzero)
         backward = Program(f"{program.name}_backward", tuple(inputs), program.params, tuple(stages), outputs,
-                           _axis_sources(inputs), dict(program.param_kinds))
+                           _axis_sources(inputs), dict(program.param_kinds), dict(self.derived))
         backward.validate()
         saved_order = tuple(sorted(set(saved), key=order.index))
         extra = [Stage(self.fresh(f"saved_{n}"), self.stages[n].axes,
@@ -420,6 +432,15 @@ def _active(program: Program, wrt: set[str]) -> set[str]:
         if st.name in backward:
             backward |= st.reads()
     return forward & backward
+
+
+def _group_index(component: Expr, frame: tuple[str, ...], taken: dict[str, Expr]) -> tuple[str, int] | None:
+    """(h, g) where `component` is `h // g` for a frame axis h not yet mapped and a constant g > 1."""
+    if (isinstance(component, Binary) and component.op == "floordiv" and isinstance(component.a, Index)
+            and component.a.axis in frame and component.a.axis not in taken and isinstance(component.b, Const)
+            and isinstance(component.b.value, int) and not isinstance(component.b.value, bool) and component.b.value > 1):
+        return component.a.axis, component.b.value
+    return None
 
 
 def _times(a: Expr, b: Expr) -> Expr:
