@@ -178,9 +178,10 @@ class _Reverse:
         for part in parts[1:]:
             zero = None if zero is None or part.zero_when is None else _and(zero, part.zero_when)
         only = parts[0].expr
+        made = {st.name for st in self.new}
         if len(parts) == 1 and isinstance(only, Load) and only.index == tuple(map(Index, axes)) \
-                and only.buffer not in self.stages and only.buffer not in self.inputs:
-            name = only.buffer  # already a stage of the backward (or a seed): no copy
+                and (only.buffer in made or (only.buffer not in self.stages and buffer not in self.inputs)):
+            name = only.buffer  # already a stage of the backward (or, inside it, a seed): no copy
         else:
             total = parts[0].expr
             for part in parts[1:]:
