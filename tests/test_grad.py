@@ -313,3 +313,25 @@ def test_compiled_linear_cross_entropy_backward() -> None:
     hr, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
     torch.nn.functional.cross_entropy(hr @ wr.T, target).backward()
     assert_grads([hl.grad, wl.grad], [hr.grad, wr.grad], tol=1e-4)
+
+
+def test_relative_position_table_gradient_in_kernels() -> None:
+    """A learnable bias table read at i - j: its gradient lands where the index equals the table's
+    position (a where over the table's axis, summed over queries, keys and batch)."""
+    torch.manual_seed(0)
+    heads, n = 2, 24
+    q, k, v = (torch.randn(1, heads, n, 16, dtype=torch.float64) for _ in range(3))
+    table = torch.randn(heads, 2 * n, dtype=torch.float64)
+    leaves = [t.float().requires_grad_() for t in (q, k, v, table)]
+
+    def relative(s, b, h, i, j):
+        return s + leaves[3][h, i - j + n]
+
+    out = nf.attention(*leaves[:3], score_mod=relative, mask_mod=lambda b, h, i, j: i >= j)
+    seed = torch.randn(out.shape, dtype=torch.float64)
+    got = torch.autograd.grad(out, leaves, seed.float())
+    ref = [t.clone().requires_grad_() for t in (q, k, v, table)]
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None]
+    s = (ref[0] @ ref[1].transpose(-1, -2) / 4.0 + ref[3][:, i - j + n]).masked_fill(~(i >= j), -math.inf)
+    want = torch.autograd.grad(torch.softmax(s, -1) @ ref[2], ref, seed)
+    assert_grads(got, want, tol=2e-4)
