@@ -171,7 +171,13 @@ def partition_loops(program: Program, held: frozenset[str]) -> list[Group]:
     with the last kernel it reads (or, reading none, into a group without a reduction).
 
     Example:
-        >>> # partition_loops(backward, frozenset({"d", "e"})) -> [D, dQ, dK+dV] for attention
+        >>> import torch
+        >>> from neptune_fusion.library import attention
+        >>> from neptune_fusion.transform.grad import differentiate
+        >>> q = torch.randn(1, 2, 8, 4)
+        >>> grad = differentiate(attention.trace(q, q, q, scale=0.5), ("q", "k", "v"))
+        >>> [g.program.loop_axis for g in partition_loops(grad.backward, grad.held)]   # D, dK + dV, dQ
+        ['d2', 'q', 'k']
     """
     stages = [st for st in program.stages if isinstance(st, Stage)]
     by_name = {st.name: st for st in stages}
