@@ -227,17 +227,14 @@ def test_tensor_descriptor_loads(monkeypatch, program):
     _check(fn(q, k, v, scale=0.2), _torch_attention(q, k, v, 0.2, mask=mask), torch.float16)
 
 
-@pytest.mark.parametrize("splitk_tma", ["0", "1"])
-def test_split_k_loads_through_pointers_unless_asked(monkeypatch, splitk_tma):
-    """Split-K (memory-bound) reads key tiles through pointers where tensor descriptors are allowed,
-    unless NEPTUNE_FUSION_SPLITK_TMA=1; both give the same result."""
+def test_split_k_loads_through_pointers(monkeypatch):
+    """Split-K (memory-bound) reads key tiles through pointers where tensor descriptors are allowed."""
     monkeypatch.setenv("NEPTUNE_FUSION_TMA", "force")
-    monkeypatch.setenv("NEPTUNE_FUSION_SPLITK_TMA", splitk_tma)
     q, k, v = _qkv(1, 2, 1, 200, 32, torch.float16)
     fn = nf.compile(attention, schedule=nf.split_k(splits=4, block_k=16))
     named = dict(fn.program_def.bind(q, k, v, 0.2))
     exe = fn.executable_for(fn.program_def.trace(**named), named)
-    assert ("make_tensor_descriptor" in exe.main.source) == (splitk_tma == "1")
+    assert "make_tensor_descriptor" not in exe.main.source
     _check(fn(q, k, v, scale=0.2), _torch_attention(q, k, v, 0.2), torch.float16)
 
 

@@ -217,13 +217,11 @@ def test_combine_tile_sizes():
     assert _combine_tiles(Plan(16, 64, 4, 2, 64), 8, {"e": 128}, True) == (16, 4, 3)
 
 
-@pytest.mark.parametrize("pdl", ["1", "0"])
-def test_separate_combine_uses_programmatic_dependent_launch_on_hopper(monkeypatch, pdl):
+def test_separate_combine_uses_programmatic_dependent_launch_on_hopper(monkeypatch):
     """For a GPU target the main kernel lets the combine launch early, and the combine waits for the
-    main kernel's writes before its first instruction; never under the interpreter or when switched off."""
+    main kernel's writes before its first instruction; never under the interpreter."""
     from neptune_fusion.runtime import compiled
 
-    monkeypatch.setenv("NEPTUNE_FUSION_PDL", pdl)
     monkeypatch.setenv("NEPTUNE_FUSION_FUSED_COMBINE", "0")
     q, k, v, slopes = _inputs(4, 2, 1, 4096, 64, torch.float16)
     fn = nf.compile(decode_program(), schedule=nf.split_k(splits=8))
@@ -241,13 +239,10 @@ def test_separate_combine_uses_programmatic_dependent_launch_on_hopper(monkeypat
     exe = nf.compile(decode_program(), schedule=nf.split_k(splits=8)).executable_for(program, named)
     main_body = exe.main.source.split(f"def {exe.main.tile.name}(")[1]
     combine_body = exe.combine.source.split(f"def {exe.combine.tile.name}(")[1]
-    if pdl == "1":
-        assert "tl.extra.cuda.gdc_launch_dependents()" in main_body
-        first_statement = next(line.strip() for line in combine_body.split("):", 1)[1].splitlines()
-                               if line.strip() and not line.strip().startswith("#"))
-        assert first_statement == "tl.extra.cuda.gdc_wait()"
-    else:
-        assert "gdc_" not in exe.main.source + exe.combine.source
+    assert "tl.extra.cuda.gdc_launch_dependents()" in main_body
+    first_statement = next(line.strip() for line in combine_body.split("):", 1)[1].splitlines()
+                           if line.strip() and not line.strip().startswith("#"))
+    assert first_statement == "tl.extra.cuda.gdc_wait()"
 
 
 @nf.program

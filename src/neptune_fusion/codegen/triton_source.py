@@ -260,9 +260,7 @@ class _Printer:
             elif isinstance(st, Loop):
                 if st.comment:
                     self.lines.append(f"{indent}# {st.comment}")
-                rng = (f"tl.range({st.start.name}, {st.stop.name}, {st.step}, warp_specialize=True)"
-                       if st.warp_specialize and self.target == "cuda" else f"range({st.start.name}, {st.stop.name}, {st.step})")
-                self.lines.append(f"{indent}for {st.var.name} in {rng}:")
+                self.lines.append(f"{indent}for {st.var.name} in range({st.start.name}, {st.stop.name}, {st.step}):")
                 if not st.body:
                     self.lines.append(f"{indent}    pass")
                 self.stmts(st.body, indent + "    ")

@@ -518,15 +518,10 @@ class Compiled:
                                4 if main_dtype == "f32" else 2, plan.num_stages, plan.num_warps)
         check_fits(tiling, fused, plan.block_row, plan.num_warps)
         tma = all_tma = _tma_buffers(program, args, device, interpreter)
-        if use_block_map and os.environ.get("NEPTUNE_FUSION_BLOCKMAP_TMA", "0") != "1":
-            # tiles at run-time coordinates (from the block map) load faster through pointers than
-            # through tensor descriptors (document mask: 238 vs 254 us at 4k, 2348 vs 2423 us at 16k;
-            # bench/results/explore_document_run14.json)
-            tma = frozenset()
-        if plan.splits > 1 and os.environ.get("NEPTUNE_FUSION_SPLITK_TMA", "0") != "1":
-            # split-K is memory-bound and reads each key tile once: pointer loads measured as fast or
-            # faster on every decode case (dc_causal 16k 80.8 -> 78.1 us, 1k 18.7 -> 16.6; dc_softcap
-            # 16k 50.4 -> 49.7; dc_gqa even; bench/results/explore_run27.json)
+        if use_block_map or plan.splits > 1:
+            # tiles at run-time coordinates (from the block map) and split-K's memory-bound single
+            # reads of each key tile load faster through pointers than through tensor descriptors
+            # (bench/NOTES.md items 11 and 24)
             tma = frozenset()
         positive = frozenset(p for p in program.params if isinstance(args[p], float) and args[p] > 0)
         # the combine as its own launch, released early by programmatic dependent launch, ends
@@ -537,15 +532,14 @@ class Compiled:
         fused_combine = (plan.splits > 1 and os.environ.get("NEPTUNE_FUSION_FUSED_COMBINE", "0") == "1"
                          and not tiling.grid)  # its arrival counters are per (row tile, batch entry)
         combine_rows = min(16, 1 << max(0, (sizes[roles.row] - 1).bit_length()))
-        # the next listed tile's index read an iteration early: 5-6% faster (document mask, run 16)
-        prefetch_index = use_block_map and os.environ.get("NEPTUNE_FUSION_PREFETCH_INDEX", "1") == "1"
+        # the next listed tile's index read an iteration early: 5-6% faster (document mask)
+        prefetch_index = use_block_map
         # the separate combine launches while the main kernel runs and waits for its writes itself
-        dependent_launch = (plan.splits > 1 and not fused_combine and not interpreter
-                            and _supports_dependent_launch(device) and os.environ.get("NEPTUNE_FUSION_PDL", "1") == "1")
+        dependent_launch = plan.splits > 1 and not fused_combine and not interpreter and _supports_dependent_launch(device)
         grid_group = None if tiling.grid else _grid_group(
             math.ceil(sizes[roles.row] / plan.block_row), batch, plan.splits, _num_sms(device), use_block_map, device)
         key = (program.fingerprint(), tuple(sorted(dtypes.items())), tuple(sorted(full_sizes.items())), plan,
-               layout, interpreter, str(device), tma, os.environ.get("NEPTUNE_FUSION_WS", "0"), positive,
+               layout, interpreter, str(device), tma, positive,
                fused_combine, combine_rows, prefetch_index, grid_group, dependent_launch,
                os.environ.get("NEPTUNE_FUSION_BACKEND", DEFAULT_BACKEND))
         if key in self._cache:
@@ -567,7 +561,6 @@ class Compiled:
         config = LoweringConfig(dtypes, full_sizes, plan.block_row, plan.block_col, plan.num_warps,
                                 plan.num_stages, plan.splits, dot_dtype, partial_outputs=plan.splits > 1,
                                 block_map_axes=block_axes, tma_buffers=tma, positive_params=positive,
-                                warp_specialize=os.environ.get("NEPTUNE_FUSION_WS", "0") == "1" and not interpreter,
                                 grid_group=grid_group, tiling=tiling)
         target = "interpreter" if interpreter else "cuda"
         name = kernel_name(program.name)

@@ -70,7 +70,6 @@ class Loop:
     step: str  # a constexpr name or literal
     body: list[Stmt]
     comment: str = ""
-    warp_specialize: bool = False
     peeled: bool = False  # its last iteration (at `stop`) follows the loop as straight-line code
     ahead: tuple[str, ...] = ()  # ops computing the next iteration's values (kept a stage longer)
 

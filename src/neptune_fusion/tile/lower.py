@@ -109,7 +109,6 @@ class LoweringConfig:
     block_map_axes: tuple[str, ...] | None = None  # visit tiles from run-time lists (batch axes they depend on)
     block_epilogue: int = 128  # tile size of second passes over output-only axes
     tma_buffers: frozenset[str] = frozenset()  # inputs whose tiles may be read through tensor descriptors
-    warp_specialize: bool = False  # ask Triton to split the loop into producer / consumer warps
     positive_params: frozenset[str] = frozenset()  # float parameters whose value is > 0 (specialised on)
     fused_combine: TileKernel | None = None  # split-K: the last program of a row tile runs this combine
     # one-axis grid whose programs walk row tiles (heaviest first) across this many batch entries at
@@ -1014,7 +1013,7 @@ class KernelBuilder:
         self.scopes.pop()
         del self.bindings[roles.col]
         del self.tile_start[roles.col]
-        self.body.append(Loop(var, start, stop, step, body, comment, self.config.warp_specialize and not masked))
+        self.body.append(Loop(var, start, stop, step, body, comment))
 
     def _bind_accumulator(self, repair: Expr, name: str, value: TVal, ctx: _Ctx) -> Expr:
         """`repair` reading `value` where it names the accumulator. Each accumulator is a distinct

@@ -166,7 +166,7 @@ def _pipeline(loop: Loop, names: itertools.count, is_root: Callable[[Op], bool],
     ahead = _clone(sliced, ahead_map, names)
     steady = Loop(loop.var, loop.start, last.out if peel else loop.stop, loop.step,
                   [*ahead_head, *ahead, *rest_ops, *assigns, Assign(root.out, ahead_map[root.out.name])],
-                  loop.comment + f" ({root.kind} of {root.out.name} issued one iteration ahead)", loop.warp_specialize,
+                  loop.comment + f" ({root.kind} of {root.out.name} issued one iteration ahead)",
                   peeled=peel, ahead=tuple(op.out.name for op in ahead if isinstance(op, Op)))
     final = _clone(rest_ops + assigns, {loop.var.name: last.out}, names) if peel else []
     return [cond, If(cond.out, [one, span, span1, iters, offset, last, *prologue, steady, *final],
