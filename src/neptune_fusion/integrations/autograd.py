@@ -31,6 +31,7 @@ from neptune_fusion.lang.trace import FixedProgram
 from neptune_fusion.runtime import compiled as _compiled
 from neptune_fusion.runtime.compiled import Compiled, output_specs
 from neptune_fusion.runtime.reference import run_reference
+from neptune_fusion.runtime.state import in_cudagraph_tree, private_state
 from neptune_fusion.schedule.partition import Group, partition_loops
 from neptune_fusion.schedule.templates import Auto
 from neptune_fusion.transform.grad import Gradient, differentiate, grad_name
@@ -141,7 +142,8 @@ def training_handle(fn: Compiled, names: tuple[str, ...], kinds: tuple[str, ...]
 def train_forward(tensors: list[torch.Tensor], floats: list[float], ints: list[int], handle: int) -> list[torch.Tensor]:
     """The forward of a call that records gradients: its outputs, then the statistics its backward reads."""
     entry = _entries[handle]
-    result = entry.derived.forward(**entry.named(tensors, floats, ints))
+    with private_state(in_cudagraph_tree()):  # in torch.compile's CUDA graphs no memory may outlive the call
+        result = entry.derived.forward(**entry.named(tensors, floats, ints))
     return list(result) if isinstance(result, tuple) else [result]
 
 
