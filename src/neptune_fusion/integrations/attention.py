@@ -36,7 +36,9 @@ Example:
     >>> def softcap(score, b, h, q_idx, kv_idx):
     ...     return 30.0 * torch.tanh(score / 30.0)
     >>> q = k = v = torch.randn(1, 2, 16, 16)
-    >>> out = nf.attention(q, k, v, score_mod=softcap, mask_mod=causal)   # doctest: +SKIP
+    >>> out = nf.attention(q, k, v, score_mod=softcap, mask_mod=causal)
+    >>> tuple(out.shape)
+    (1, 2, 16, 16)
 """
 
 from __future__ import annotations
@@ -920,7 +922,9 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score
         >>> def causal(b, h, q_idx, kv_idx):
         ...     return q_idx >= kv_idx
         >>> q = k = v = torch.randn(1, 8, 16, 16)
-        >>> out = nf.attention(q, k, v, score_mod=alibi, mask_mod=causal)   # doctest: +SKIP
+        >>> out = nf.attention(q, k, v, score_mod=alibi, mask_mod=causal)
+        >>> tuple(out.shape)
+        (1, 8, 16, 16)
     """
     outputs = _outputs_of(return_lse, return_aux)
     request, extras = _request(query, key, score_mod, block_mask, mask_mod, enable_gqa, outputs,
@@ -947,7 +951,8 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, scale
     Example:
         >>> import torch
         >>> q = k = v = torch.randn(1, 2, 8, 16)
-        >>> out = attend(q, k, v, causal=True, window=4, softcap=30.0)   # doctest: +SKIP
+        >>> tuple(attend(q, k, v, causal=True, window=4, softcap=30.0).shape)
+        (1, 2, 8, 16)
     """
     if window is not None:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:

@@ -4,8 +4,12 @@ Stages (each a named function, each result cached): trace -> fuse (transform pas
 -> plan (schedule) -> lower (tile IR) -> generate (Triton source) -> load -> launch.
 
 Example:
-    >>> import neptune_fusion as nf
-    >>> # fn = nf.compile(attention); out = fn(q, k, v, scale=0.088)
+    >>> import torch, neptune_fusion as nf
+    >>> from neptune_fusion.library import causal_attention
+    >>> q = k = v = torch.randn(1, 2, 16, 16)       # (on the CPU: under TRITON_INTERPRET=1)
+    >>> out = nf.compile(causal_attention)(q, k, v, scale=0.25)
+    >>> tuple(out.shape)
+    (1, 2, 16, 16)
 """
 
 from __future__ import annotations
@@ -1023,8 +1027,11 @@ def compile(program: ProgramDef | Callable[..., Any], schedule: Schedule | None 
     """Compile a program for the GPU; the template is chosen from the shapes unless given.
 
     Example:
-        >>> import neptune_fusion as nf
-        >>> # fn = nf.compile(attention, schedule=nf.flash(block_q=128, block_k=64))
-        >>> # out = fn(q, k, v, scale=0.088)
+        >>> import torch, neptune_fusion as nf
+        >>> from neptune_fusion.library import attention
+        >>> fn = nf.compile(attention, schedule=nf.flash(block_q=16, block_k=16))
+        >>> q = k = v = torch.randn(1, 2, 32, 16)
+        >>> torch.allclose(fn(q, k, v, scale=0.25), torch.softmax(q @ k.transpose(-1, -2) * 0.25, -1) @ v, atol=1e-5)
+        True
     """
     return Compiled(program, schedule, allow_fallback)

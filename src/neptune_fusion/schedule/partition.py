@@ -12,7 +12,14 @@ and compiled on its own (and partitioned again if it still needs it); the execut
 kernels in order.
 
 Example:
-    >>> # [p1, p2] = partition(program); p2.inputs include p1's materialised reductions
+    >>> import torch, neptune_fusion as nf
+    >>> @nf.program
+    ... def column_sum_of_softmax(x):
+    ...     e = nf.exp(x - x.max(axis=-1, keepdims=True))
+    ...     return (e / e.sum(axis=-1, keepdims=True)).sum(axis=0)
+    >>> first, second = partition(column_sum_of_softmax.trace(torch.randn(4, 8)))
+    >>> [b.name for b in second.program.inputs]     # the first kernel's row statistics, materialised
+    ['x', 'max0', 'sum0']
 """
 
 from __future__ import annotations

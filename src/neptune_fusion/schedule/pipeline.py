@@ -1,7 +1,11 @@
 """The fusion pipeline: named Program -> Program stages, recorded for `explain`.
 
 Example:
-    >>> # steps = fuse(program, splits=1); steps[-1].program is the fused program
+    >>> import torch
+    >>> from neptune_fusion.library import softmax
+    >>> steps = fuse(softmax.trace(torch.randn(4, 8)))
+    >>> steps[-1].name
+    "rolling update along 'a1' (derived repair terms)"
 """
 
 from __future__ import annotations
