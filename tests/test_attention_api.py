@@ -426,13 +426,10 @@ def test_decode_split_k_with_gqa_and_alibi():
         check(q, k, v, expected, score_mod=alibi, enable_gqa=True, schedule=schedule)
 
 
-@pytest.mark.parametrize("fused", ["0", "1"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_split_k_over_a_block_map(monkeypatch, fused, dtype):
-    """Data-dependent masks in decode: each split visits its share of the tiles the block map lists
-    (with the combine in its own launch or in the main kernel); a sequence of length 0 gives 0 and an
-    lse of -inf."""
-    monkeypatch.setenv("NEPTUNE_FUSION_FUSED_COMBINE", fused)
+def test_decode_split_k_over_a_block_map(dtype):
+    """Data-dependent masks in decode: each split visits its share of the tiles the block map lists;
+    a sequence of length 0 gives 0 and an lse of -inf."""
     attention_module.clear_cache()
     lengths = torch.tensor([150, 0, 300])
 

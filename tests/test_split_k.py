@@ -93,8 +93,8 @@ def test_auto_picks_split_k_for_decode_and_packs_groups():
     exe = fn.executable_for(fn.program_def.trace(**named), named)
     assert exe.plan.splits > 1
     assert exe.combine_tile is not None
-    # the combine is its own launch by default (NEPTUNE_FUSION_FUSED_COMBINE=1 moves it inside)
-    assert exe.combine is not None and "tl.atomic_add(counter_ptr" not in exe.main.source
+    # the combine is its own launch
+    assert exe.combine is not None and "tl.atomic_add" not in exe.main.source
     assert any("pack the 4 query heads" in s.name for s in exe.steps)
     # K and V are read with the kv-head index only: one program serves all heads of a group
     assert "h_kv, k, d]" in nf.explain(fn, q, k, v, slopes, 0.2)
@@ -172,29 +172,11 @@ def test_bad_split_counts():
     assert isinstance(nf.compile(decode_program()), Compiled)
 
 
-@pytest.mark.parametrize("fused", ["1", "0"])
-def test_combine_in_the_main_kernel_or_its_own_launch(monkeypatch, fused):
-    """The last program of a row tile runs the combine (one launch); counters reset for the next call."""
-    monkeypatch.setenv("NEPTUNE_FUSION_FUSED_COMBINE", fused)
-    q, k, v, slopes = _inputs(4, 2, 1, 333, 16, torch.float32, seed=5)
-    fn = nf.compile(decode_program(), schedule=nf.split_k(splits=5))
-    expected = torch_decode(q, k, v, slopes, 0.2, "plain")
-    for _ in range(3):
-        assert _rel(fn(q, k, v, slopes, 0.2), expected) < 2e-5
-    named = dict(fn.program_def.bind(q, k, v, slopes, 0.2))
-    exe = fn.executable_for(fn.program_def.trace(**named), named)
-    assert (exe.combine is None) == (fused == "1")
-    counters = [d["__split_counter__"] for d in fn._scratch.values()]
-    assert all(int(c.abs().sum()) == 0 for c in counters)
-
-
-@pytest.mark.parametrize("fused", ["1", "0"])
-def test_combine_tiles_that_loop_over_splits(monkeypatch, fused):
-    """A combine tile too small for all splits at once loops over them (separate launch: with row
-    blocks of one row; fused: with the main kernel's rows); both agree with torch."""
+def test_combine_tiles_that_loop_over_splits(monkeypatch):
+    """A combine tile too small for all splits at once loops over them (row blocks of one row) and
+    agrees with torch."""
     from neptune_fusion.runtime import compiled
 
-    monkeypatch.setenv("NEPTUNE_FUSION_FUSED_COMBINE", fused)
     monkeypatch.setattr(compiled, "COMBINE_TILE_ELEMENTS", 64)
     q, k, v, slopes = _inputs(8, 2, 3, 300, 16, torch.float32, seed=7)
     fn = nf.compile(decode_program(), schedule=nf.split_k(splits=9, block_k=16))
@@ -209,12 +191,10 @@ def test_combine_tile_sizes():
     from neptune_fusion.runtime.compiled import _combine_tiles
     from neptune_fusion.schedule.auto import Plan
 
-    # separate launch: every split at once, rows shrunk to keep the tile in registers
-    assert _combine_tiles(Plan(16, 64, 4, 2, 64), 8, {"e": 128}, False) == (1, 64, 1)
-    assert _combine_tiles(Plan(16, 64, 4, 2, 17), 1, {"e": 128}, False) == (1, 32, 1)
-    assert _combine_tiles(Plan(16, 64, 4, 2, 4), 16, {"e": 64}, False) == (16, 4, 1)
-    # in the main kernel: the main kernel's rows, looping (pipelined) over the splits
-    assert _combine_tiles(Plan(16, 64, 4, 2, 64), 8, {"e": 128}, True) == (16, 4, 3)
+    # every split at once, rows shrunk to keep the tile in registers
+    assert _combine_tiles(Plan(16, 64, 4, 2, 64), 8, {"e": 128}) == (1, 64, 1)
+    assert _combine_tiles(Plan(16, 64, 4, 2, 17), 1, {"e": 128}) == (1, 32, 1)
+    assert _combine_tiles(Plan(16, 64, 4, 2, 4), 16, {"e": 64}) == (16, 4, 1)
 
 
 def test_separate_combine_uses_programmatic_dependent_launch_on_hopper(monkeypatch):
@@ -222,7 +202,6 @@ def test_separate_combine_uses_programmatic_dependent_launch_on_hopper(monkeypat
     main kernel's writes before its first instruction; never under the interpreter."""
     from neptune_fusion.runtime import compiled
 
-    monkeypatch.setenv("NEPTUNE_FUSION_FUSED_COMBINE", "0")
     q, k, v, slopes = _inputs(4, 2, 1, 4096, 64, torch.float16)
     fn = nf.compile(decode_program(), schedule=nf.split_k(splits=8))
     named = dict(fn.program_def.bind(q, k, v, slopes, 0.2))

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 
-from neptune_fusion.tile.ir import Assign, CombineTail, If, Loop, Op, Stmt, Store, TileKernel, TVal
+from neptune_fusion.tile.ir import Assign, If, Loop, Op, Stmt, Store, TileKernel, TVal
 
 TL_DTYPES = {"f32": "tl.float32", "f16": "tl.float16", "bf16": "tl.bfloat16", "i32": "tl.int32",
              "i64": "tl.int64", "bool": "tl.int1"}
@@ -241,14 +241,6 @@ class _Printer:
                 self.lines.append(f"{indent}{st.out.name} = {self.expr(st)}")
             elif isinstance(st, Assign):
                 self.lines.append(f"{indent}{st.target.name} = {st.value.name}")
-            elif isinstance(st, CombineTail):
-                # every thread's partial-state stores are issued before the release of the counter
-                self.lines.append(f"{indent}tl.debug_barrier()")
-                self.lines.append(f"{indent}ticket = tl.atomic_add(counter_ptr + {st.counter.name}, 1, sem=\"acq_rel\")")
-                self.lines.append(f"{indent}if ticket == {st.splits} - 1:")
-                consts = ", ".join(f"{k}={v}" for k, v in st.constexprs.items())
-                self.lines.append(f"{indent}    {st.function}({', '.join(st.args)}, {consts})")
-                self.lines.append(f"{indent}    tl.atomic_xchg(counter_ptr + {st.counter.name}, 0)")
             elif isinstance(st, Store):
                 mask = f", mask={self.ref(st.mask, st.offsets.axes)}" if st.mask is not None else ""
                 self.lines.append(f"{indent}tl.store({st.buffer}_ptr + {st.base.name} + {st.offsets.name}, {st.value.name}{mask})")
@@ -267,21 +259,10 @@ class _Printer:
                 if st.peeled:
                     self.lines.append(f"{indent}# last iteration ({st.var.name} = {st.stop.name})")
 
-    def function(self) -> list[str]:
+    def source(self) -> str:
         k = self.kernel
         params = [a.name for a in k.args] + [f"{c}: tl.constexpr" for c in k.constexprs]
-        out = ["\n\n@triton.jit", f"def {k.name}("]
-        out.extend(f"    {p}," for p in params)
-        out.append("):")
-        out.extend(f"    # {n}" for n in k.notes)
-        out.extend(self._all_lines())
-        return out
-
-    def source(self, callees: list[TileKernel] | None = None) -> str:
-        k = self.kernel
-        params = [a.name for a in k.args] + [f"{c}: tl.constexpr" for c in k.constexprs]
-        bodies = [_Printer(c, self.target).function() for c in (callees or [])]
-        text = "\n".join(self._all_lines() + [line for b in bodies for line in b])
+        text = "\n".join(self._all_lines())
         out = [_PREAMBLE]
         if "_nan(" in text:
             out.append(_NAN_COMBINE_CUDA if self.target == "cuda" else _NAN_COMBINE_PORTABLE)
@@ -289,8 +270,6 @@ class _Printer:
             out.append(_REDUCE_NAN_CUDA if self.target == "cuda" else _REDUCE_NAN_PORTABLE)
         if "_tanh(" in text:
             out.append(_TANH_CUDA if self.target == "cuda" else _TANH_PORTABLE)
-        for body in bodies:
-            out.extend(body)
         out.append("\n\n@triton.jit" + (f"(do_not_specialize={k.do_not_specialize!r})" if k.do_not_specialize else ""))
         out.append(f"def {k.name}(")
         out.extend(f"    {p}," for p in params)
@@ -315,8 +294,8 @@ class _Printer:
         return self.lines
 
 
-def generate(kernel: TileKernel, target: str = "cuda", callees: list[TileKernel] | None = None) -> str:
-    """Triton source for `kernel` (`target`: "cuda" or "interpreter"), with the functions it calls."""
+def generate(kernel: TileKernel, target: str = "cuda") -> str:
+    """Triton source for `kernel` (`target`: "cuda" or "interpreter")."""
     if target not in ("cuda", "interpreter"):
         raise ValueError(f"unknown target {target!r}")
-    return _Printer(kernel, target).source(callees)
+    return _Printer(kernel, target).source()

@@ -51,7 +51,6 @@ from neptune_fusion.schedule.tiles import check_fits, choose_tiling, grid_tiles
 from neptune_fusion.tile.ir import TileKernel
 from neptune_fusion.tile.lower import (
     BLOCK_MAP_PREFIX,
-    COUNTER,
     LoweringConfig,
     assign_roles,
     fused_loop_of,
@@ -326,24 +325,20 @@ def install_allocator() -> None:
 COMBINE_TILE_ELEMENTS = 8192  # fp32 values of one (row, split, feature) tile: 64 registers a thread at 4 warps
 
 
-def _combine_tiles(plan: Plan, rows: int, full_sizes: dict[str, int], fused: bool) -> tuple[int, int, int]:
+def _combine_tiles(plan: Plan, rows: int, full_sizes: dict[str, int]) -> tuple[int, int, int]:
     """(row block, split block, pipeline stages) of the split-K combine.
 
     The combine is elementwise math over a few partial states per row (no dot), bound by the
     latency of its loads: a tile holding every split at once needs one round trip, and more,
     smaller row blocks give more programs. Its 3-D (row, split, feature) tile must still fit in
-    registers. Run inside the main kernel it must tile rows as the main kernel does, so it loops
-    over splits and pipelines those loads instead.
+    registers.
 
     Example:
-        >>> _combine_tiles(Plan(16, 64, 4, 2, 64), 8, {"e": 128}, False)
+        >>> _combine_tiles(Plan(16, 64, 4, 2, 64), 8, {"e": 128})
         (1, 64, 1)
     """
     features = math.prod(1 << max(0, (n - 1).bit_length()) for n in full_sizes.values())
     all_splits = 1 << (plan.splits - 1).bit_length()
-    if fused:
-        block_split = max(2, min(all_splits, COMBINE_TILE_ELEMENTS // (plan.block_row * features)))
-        return plan.block_row, block_split, 1 if block_split >= all_splits else 3
     block_split = min(all_splits, 64, max(2, COMBINE_TILE_ELEMENTS // features))
     block_rows = max(1, min(rows, COMBINE_TILE_ELEMENTS // (block_split * features)))
     block_rows = 1 << (block_rows.bit_length() - 1)
@@ -528,23 +523,16 @@ class Compiled:
             # (bench/NOTES.md items 11 and 24)
             tma = frozenset()
         positive = frozenset(p for p in program.params if isinstance(args[p], float) and args[p] > 0)
-        # the combine as its own launch, released early by programmatic dependent launch, ends
-        # 1-2 us after the main kernel; run inside the main kernel by the last program of each row
-        # tile it measured slower at every length on the H200 (packed GQA 64/8 at 1k: 10.0 vs 13.1
-        # us, 4k: 14.8 vs 17.2; MHA 32/32 at 1k: 14.8 vs 15.5; softcap 32/16 at 32k: 77.7 vs 80.4;
-        # bench/results/run34/decode_profile.json). NEPTUNE_FUSION_FUSED_COMBINE=1 still selects it.
-        fused_combine = (plan.splits > 1 and os.environ.get("NEPTUNE_FUSION_FUSED_COMBINE", "0") == "1"
-                         and not tiling.grid)  # its arrival counters are per (row tile, batch entry)
         combine_rows = min(16, 1 << max(0, (sizes[roles.row] - 1).bit_length()))
         # the next listed tile's index read an iteration early: 5-6% faster (document mask)
         prefetch_index = use_block_map
         # the separate combine launches while the main kernel runs and waits for its writes itself
-        dependent_launch = plan.splits > 1 and not fused_combine and not interpreter and _supports_dependent_launch(device)
+        dependent_launch = plan.splits > 1 and not interpreter and _supports_dependent_launch(device)
         grid_group = None if tiling.grid else _grid_group(
             math.ceil(sizes[roles.row] / plan.block_row), batch, plan.splits, _num_sms(device), use_block_map, device)
         key = (program.fingerprint(), tuple(sorted(dtypes.items())), tuple(sorted(full_sizes.items())), plan,
                layout, interpreter, str(device), tma, positive,
-               fused_combine, combine_rows, prefetch_index, grid_group, dependent_launch,
+               combine_rows, prefetch_index, grid_group, dependent_launch,
                os.environ.get("NEPTUNE_FUSION_BACKEND", DEFAULT_BACKEND))
         if key in self._cache:
             return self._cache[key]
@@ -589,17 +577,14 @@ class Compiled:
             cfused = combine_steps[-1].program
             cdtypes = {b.name: ("f32" if b.name.startswith("part_") else dtypes[b.name]) for b in cprog.inputs}
             cfull = {a: full_sizes[a] for a in assign_roles(cfused).full}
-            block_rows, block_split, cstages = _combine_tiles(plan, combine_rows, cfull, fused_combine)
+            block_rows, block_split, cstages = _combine_tiles(plan, combine_rows, cfull)
             cconfig = LoweringConfig(cdtypes, cfull, block_rows, block_split, plan.num_warps, cstages, 1, "f32",
                                      block_epilogue=32 if interpreter else 128)
             ctile = lower(cfused, cconfig, f"{name}_combine")
-            if not fused_combine:
-                if dependent_launch:
-                    ctile.grid_dependency = "dependent"
-                csource = generate(ctile, target)
-                combine = KernelLaunch(ctile, csource, _load_kernel(csource, ctile.name), cfused)
-            else:
-                config.fused_combine = ctile
+            if dependent_launch:
+                ctile.grid_dependency = "dependent"
+            csource = generate(ctile, target)
+            combine = KernelLaunch(ctile, csource, _load_kernel(csource, ctile.name), cfused)
         def lowered() -> TileKernel:
             tile = lower(fused, config, name)
             if prefetch_index:
@@ -638,7 +623,7 @@ class Compiled:
                 config.notes = []
                 tile = lowered()
             tile.notes.append(f"backend: {why}")
-            source = generate(tile, target, [ctile] if config.fused_combine is not None else None)
+            source = generate(tile, target)
         main = KernelLaunch(tile, source, _load_kernel(source, name), fused, backend)
         exe = Executable(steps, plan, main, combine, combine_steps, masks if use_block_map else None, ctile)
         self._cache[key] = exe
@@ -801,14 +786,12 @@ class Compiled:
         # kernel indexes, so the kernel's strides hold for it and a call makes no views
         returned = [(spec.stage, [sizes[d] if d else 1 for d in (spec.view or spec.dims)]) for spec in fused.outputs]
         alloc_shape = {name: next(shape for stage, shape in returned if stage == name) for name in out_shapes}
-        # split-K partial states and arrival counters: (shape, dtype) here, the tensors per call or kept
+        # split-K partial states: (shape, dtype) here, the tensors per call or kept
         scratch: dict[str, tuple[list[int], torch.dtype]] = {}
         if exe.plan.splits > 1:
             loop = next(n for n in fused.stages if isinstance(n, FusedLoop))
-            counters = math.ceil(sizes[roles.row] / exe.plan.block_row) * math.prod(sizes[a] for a in roles.batch)
             scratch = {f"part_{m.name}": ([exe.plan.splits, *(sizes[a] for a in m.axes)], torch.float32)
                        for m in loop.members}
-            scratch[COUNTER] = ([counters], torch.int32)
         # keyed by the buffers' shapes: calls that differ only in the length of the split axis share them
         scratch_key = (tuple((n, tuple(shape)) for n, (shape, _) in scratch.items()), str(device), fused.fingerprint())
         extras: dict[str, torch.Tensor] = {}
@@ -909,10 +892,8 @@ def _materialised(program: Program, group: Group, sizes: dict[str, int], device:
 
 
 def _fresh_scratch(specs: dict[str, tuple[list[int], torch.dtype]], device: torch.device) -> dict[str, torch.Tensor]:
-    """Split-K partial-state buffers and per-row-tile arrival counters (zero between calls: the
-    last arrival resets its counter)."""
-    return {n: (torch.zeros if n == COUNTER else torch.empty)(shape, dtype=dtype, device=device)
-            for n, (shape, dtype) in specs.items()}
+    """Split-K partial-state buffers."""
+    return {n: torch.empty(shape, dtype=dtype, device=device) for n, (shape, dtype) in specs.items()}
 
 
 class _FastLaunch:

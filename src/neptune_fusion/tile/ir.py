@@ -83,19 +83,7 @@ class If:
     comment: str = ""
 
 
-@dataclass
-class CombineTail:
-    """Split-K without a second launch: the last program of a row tile to finish (counted with an
-    atomic) calls the combine kernel's function on the partial states; it then resets the counter."""
-
-    function: str
-    args: list[str]  # this kernel's argument names, passed positionally to `function`
-    constexprs: dict[str, int]
-    counter: TVal  # scalar offset of this row tile's arrival counter
-    splits: str
-
-
-Stmt = Union[Op, Store, Assign, Loop, If, CombineTail]
+Stmt = Union[Op, Store, Assign, Loop, If]
 
 
 @dataclass
@@ -154,9 +142,6 @@ def format_tile_kernel(kernel: TileKernel) -> str:
                 note = f"   # {st.comment}" if st.comment else ""
                 lines.append(f"{indent}if {st.cond.name}:{note}")
                 fmt(st.body, indent + "  ")
-            elif isinstance(st, CombineTail):
-                lines.append(f"{indent}if atomic_add(counter[{st.counter.name}], 1) == {st.splits} - 1: "
-                             f"{st.function}(partial states) ; counter <- 0")
             else:
                 note = f"   # {st.comment}" if st.comment else ""
                 lines.append(f"{indent}for {st.var.name} in range({st.start.name}, {st.stop.name}, {st.step}):{note}")

@@ -65,12 +65,11 @@ from neptune_fusion.ir.expr import (
 from neptune_fusion.ir.program import FusedLoop, Program, Stage
 from neptune_fusion.schedule.pipeline import SPLIT_AXIS
 from neptune_fusion.schedule.tiles import AxisTiling, choose_tiling
-from neptune_fusion.tile.ir import Assign, CombineTail, KernelArg, Loop, Op, Stmt, Store, TileKernel, TVal
+from neptune_fusion.tile.ir import Assign, KernelArg, Loop, Op, Stmt, Store, TileKernel, TVal
 from neptune_fusion.transform.layout import UNIT_ROW
 
 LOG2E = 1.4426950408889634
 BLOCK_MAP_PREFIX = "__blockmap_"
-COUNTER = "__split_counter__"
 BLOCK_MAP_ROW = "__row_tile__"
 BLOCK_MAP_TILE = "__tile__"
 STRIDE_PREFIX = "__stride__"
@@ -110,7 +109,6 @@ class LoweringConfig:
     block_epilogue: int = 128  # tile size of second passes over output-only axes
     tma_buffers: frozenset[str] = frozenset()  # inputs whose tiles may be read through tensor descriptors
     positive_params: frozenset[str] = frozenset()  # float parameters whose value is > 0 (specialised on)
-    fused_combine: TileKernel | None = None  # split-K: the last program of a row tile runs this combine
     # one-axis grid whose programs walk row tiles (heaviest first) across this many batch entries at
     # once; None: the (row tiles, batch) grid
     grid_group: int | None = None
@@ -700,8 +698,6 @@ class KernelBuilder:
             for start, stop, masked, comment in self._loop_segments(r0):
                 self._emit_loop(start, stop, masked, state, valid, comment)
         self._emit_outputs(state, valid)
-        if cfg.partial_outputs and cfg.fused_combine is not None:
-            self._emit_combine_tail(cfg.fused_combine, pid_b, n_tiles, row_tile)
         if cfg.splits > 1:
             grid.append(self._splits().name)
         # neither the loop's length nor the split count (a run-time argument, not a constexpr) selects
@@ -1091,17 +1087,6 @@ class KernelBuilder:
             for axis, stages in passes.items():
                 self._emit_second_pass(stages, state, valid, axis)
         self.scopes.pop()
-
-    def _emit_combine_tail(self, combine: TileKernel, pid_b: TVal, n_tiles: TVal, row_tile: TVal) -> None:
-        """Count arrivals per row tile; the last split program merges the partial states."""
-        self.scopes.append(_Scope(self.body))
-        counter = self.bin("add", self.bin("mul", pid_b, n_tiles), row_tile)
-        self.scopes.pop()
-        self.kernel_arg("counter_ptr", "pointer", f"scratch:{COUNTER}", "ptr")
-        names = []
-        for arg in combine.args:
-            names.append(self.kernel_arg(f"cb_{arg.name}", arg.kind, arg.source, "i32").name)
-        self.body.append(CombineTail(combine.name, names, dict(combine.constexprs), counter, self._splits().name))
 
     def _emit_second_pass(self, stages: list[Stage], state: dict[str, TVal], valid: dict[str, TVal | None],
                           axis: str) -> None:
