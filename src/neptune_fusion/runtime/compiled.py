@@ -332,7 +332,10 @@ def _combine_tiles(plan: Plan, rows: int, full_sizes: dict[str, int], fused: boo
 
 
 def _device_limits(device: torch.device) -> tuple[int, int]:
-    """(bytes of shared memory one program may use, registers per thread) on the device."""
+    """(bytes of shared memory one program may use, registers per thread) on the device; Hopper's
+    where no GPU can be asked (a CUDA target planned on a machine without one)."""
+    if not torch.cuda.is_available():
+        return HOPPER_SHARED_BYTES, HOPPER_REGISTERS
     props = torch.cuda.get_device_properties(device)
     return getattr(props, "shared_memory_per_block_optin", HOPPER_SHARED_BYTES), HOPPER_REGISTERS
 
