@@ -43,7 +43,7 @@ from neptune_fusion.lang.trace import ProgramDef
 from neptune_fusion.runtime.blockmap import block_map, block_map_axes
 from neptune_fusion.runtime.reference import axis_extents, run_reference
 from neptune_fusion.runtime.state import CALL_STATE
-from neptune_fusion.schedule.auto import Plan, choose
+from neptune_fusion.schedule.auto import Plan, choose, fit
 from neptune_fusion.schedule.partition import Group, partition
 from neptune_fusion.schedule.pipeline import SPLIT_AXIS, Step, combine_program, fuse, with_split_k
 from neptune_fusion.schedule.templates import Auto, Autotune, Flash, Schedule, SplitK
@@ -57,11 +57,10 @@ from neptune_fusion.tile.lower import (
     lower,
 )
 from neptune_fusion.tile.pipeline import prefetch_first_dot, prefetch_scalar_loads
-from neptune_fusion.tile.resources import shared_memory_estimate
+from neptune_fusion.tile.resources import HOPPER_REGISTERS, HOPPER_SHARED_BYTES, plan_usage
 from neptune_fusion.transform.layout import group_divisor, pack_groups
 
 FLOAT_TORCH = (torch.float16, torch.bfloat16, torch.float32)
-SHARED_MEMORY_BUDGET = 200 * 1024  # of the H100/H200's 227 KB per block, leaving room for dot operands
 
 
 def interpreter_mode() -> bool:
@@ -345,6 +344,15 @@ def _combine_tiles(plan: Plan, rows: int, full_sizes: dict[str, int]) -> tuple[i
     return block_rows, block_split, 1 if block_split >= all_splits else 3
 
 
+def _device_limits(device: torch.device) -> tuple[int, int]:
+    """(bytes of shared memory one program may use, registers per thread) on the device; Hopper's
+    where no GPU can be asked (a CUDA target planned on a machine without one)."""
+    if not torch.cuda.is_available():
+        return HOPPER_SHARED_BYTES, HOPPER_REGISTERS
+    props = torch.cuda.get_device_properties(device)
+    return getattr(props, "shared_memory_per_block_optin", HOPPER_SHARED_BYTES), HOPPER_REGISTERS
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -613,15 +621,17 @@ class Compiled:
             tile = replace(gluon_tile, num_warps=4)
         else:
             tile = lowered()
-            while not interpreter and shared_memory_estimate(tile) > SHARED_MEMORY_BUDGET and (
-                    config.num_stages > 1 or config.block_col > 16):
-                # too many pipelined tiles for shared memory: fewer stages first, then narrower tiles
-                if config.num_stages > 1:
-                    config.num_stages -= 1
-                else:
-                    config.block_col //= 2
-                config.notes = []
-                tile = lowered()
+            if not interpreter:
+                # a plan whose kernel needs more shared memory or registers than the device has is
+                # planned again smaller, before anything is compiled (schedule/auto.py `fit`)
+                usage = plan_usage(tile, lambda p: choose_tiling(fused, full_sizes, p.block_row, p.block_col,
+                                                                 4 if main_dtype == "f32" else 2, p.num_stages,
+                                                                 p.num_warps))
+                fitted = fit(plan, usage, *_device_limits(device))
+                if fitted != plan:
+                    exe = self.executable_for(program, args, fitted)
+                    self._cache[key] = exe
+                    return exe
             tile.notes.append(f"backend: {why}")
             source = generate(tile, target)
         main = KernelLaunch(tile, source, _load_kernel(source, name), fused, backend)

@@ -1,4 +1,5 @@
-"""Choosing a template and its parameters from the shapes.
+"""Choosing a template and its parameters from the shapes, and fitting the plan to the device's
+shared memory and registers (`fit`).
 
 Example:
     >>> plan = choose(Auto(), rows=4096, cols=4096, batch=32, full_sizes={"d": 128}, dtype="f16",
@@ -10,7 +11,8 @@ Example:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Callable
 
 from neptune_fusion.schedule.templates import Auto, Autotune, Flash, Schedule, SplitK
 
@@ -141,3 +143,51 @@ def candidates(plan: Plan, *, rows: int, cols: int, interpreter: bool, limit: in
     if interpreter:
         out = out[:2]
     return out[:limit]
+
+
+def fit(plan: Plan, usage: Callable[[Plan], tuple[int, int]], shared_bytes: int, registers: int) -> Plan:
+    """`plan`, shrunk until its kernel fits the device: `usage(plan)` is (bytes of shared memory,
+    registers per thread) of the kernel that plan gives, `shared_bytes` and `registers` what one
+    program may have. The plan is returned unchanged when it fits.
+
+    Shared memory: fewer pipeline stages down to two, then narrower loop tiles down to 32, then a
+    single stage, then fewer rows, then the narrowest loop tiles. A loop of two stages keeps one
+    tile's copy in flight while the dots run; one stage serialises them, so a narrower tile is
+    given up first. Registers: more warps (up to eight) spread the same tile over more threads,
+    then fewer rows (the accumulators shrink with them), then narrower loop tiles. Where nothing
+    shrinks any more the smallest plan is returned: the device's compiler reports what still does
+    not fit when it loads the kernel.
+
+    Example:
+        >>> def usage(p):  # a resident 64 KB tile and 64 KB a stage; a 128 x 256 fp32 accumulator
+        ...     return 65536 * (1 + p.num_stages), p.block_row * 256 // (32 * p.num_warps) + 40
+        >>> fit(Plan(128, 64, 4, 3, 8), usage, 232448, 255)
+        Plan(block_row=128, block_col=64, num_warps=8, num_stages=2, splits=8, prefetch_dot=False)
+    """
+    while True:
+        shared, regs = usage(plan)
+        if shared > shared_bytes:
+            if plan.num_stages > 2:
+                smaller = replace(plan, num_stages=plan.num_stages - 1)
+            elif plan.block_col > 32:
+                smaller = replace(plan, block_col=plan.block_col // 2)
+            elif plan.num_stages > 1:
+                smaller = replace(plan, num_stages=1)
+            elif plan.block_row > 16:
+                smaller = replace(plan, block_row=plan.block_row // 2)
+            elif plan.block_col > 16:
+                smaller = replace(plan, block_col=plan.block_col // 2)
+            else:
+                return plan
+        elif regs > registers:
+            if plan.num_warps < 8:
+                smaller = replace(plan, num_warps=plan.num_warps * 2)
+            elif plan.block_row > 16:
+                smaller = replace(plan, block_row=plan.block_row // 2)
+            elif plan.block_col > 16:
+                smaller = replace(plan, block_col=plan.block_col // 2)
+            else:
+                return plan
+        else:
+            return plan
+        plan = smaller
