@@ -452,10 +452,8 @@ def benchmark_plans() -> list[dict[str, Any]]:
     """The plan of each of the 34 points of DESIGN.md section 5, built as bench/ab_attention.py
     builds them, with an H200 stood in for (no kernel is compiled)."""
     import neptune_fusion as nf
-    from bench.decode import OPS as DECODE_OPS
-    from bench.decode import plain
-    from bench.flex_ops import make_case
     from neptune_fusion import library
+    from neptune_fusion.benchmarks.cases import DECODE_OPS, make_case, plain
     from neptune_fusion.integrations import attention as flex_front
 
     out = []
