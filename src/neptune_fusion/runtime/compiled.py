@@ -23,7 +23,7 @@ import os
 import re
 import sys
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -47,7 +47,7 @@ from neptune_fusion.schedule.auto import Plan, choose, fit
 from neptune_fusion.schedule.partition import Group, partition
 from neptune_fusion.schedule.pipeline import SPLIT_AXIS, Step, combine_program, fuse, with_split_k
 from neptune_fusion.schedule.templates import Auto, Autotune, Flash, Schedule, SplitK
-from neptune_fusion.schedule.tiles import check_fits, choose_tiling, grid_tiles
+from neptune_fusion.schedule.tiles import AxisTiling, check_fits, choose_tiling, grid_tiles
 from neptune_fusion.tile.ir import TileKernel
 from neptune_fusion.tile.lower import (
     BLOCK_MAP_PREFIX,
@@ -115,6 +115,41 @@ class KernelLaunch:
     backend: str = "triton"  # "triton" or "gluon" (codegen/gluon_source.py, warp-specialised, Hopper)
 
 
+@dataclass(frozen=True)
+class KernelPlan:
+    """Every decision behind one kernel, as one record: the schedule's plan (tiles, warps, stages,
+    splits), how the tile walks its axes, the layout, the loads, the grid, the backend setting and
+    the target. It is the kernel cache's key (with the program's fingerprint) and what `explain`
+    prints.
+
+    Example:
+        >>> from neptune_fusion.schedule.auto import Plan
+        >>> from neptune_fusion.schedule.tiles import AxisTiling
+        >>> record = KernelPlan(Plan(128, 64, 8, 3, 1), AxisTiling((("e", 128),)), (("q", "f16"),), (("e", 128),))
+        >>> record.plan.block_row, record.backend
+        (128, 'auto')
+    """
+
+    plan: Plan
+    tiling: AxisTiling  # block sizes of the held axes; which are grid-tiled or inner loops
+    dtypes: tuple[tuple[str, str], ...]
+    full_sizes: tuple[tuple[str, int], ...]
+    layout: tuple[str, str, int] | None = None  # query heads of a KV head packed into one program's rows
+    descriptor_loads: frozenset[str] = frozenset()  # inputs read through tensor descriptors
+    positive_params: frozenset[str] = frozenset()
+    combine_rows: int = 16
+    prefetch_index: bool = False  # block-mapped loops read the next tile's index an iteration ahead
+    grid_group: int | None = None
+    dependent_launch: bool = False  # the split-K combine launches early and waits for the main kernel
+    backend: str = "auto"  # the NEPTUNE_FUSION_BACKEND setting the backend was chosen under
+    interpreter: bool = False
+    device: str = "cpu"
+
+    def describe(self) -> str:
+        """One line per decision (what `explain` prints)."""
+        return "\n".join(f"{f.name}: {getattr(self, f.name)!r}" for f in fields(self))
+
+
 @dataclass
 class Executable:
     """Everything compiled for one (program, dtypes, full sizes, plan, target)."""
@@ -129,6 +164,7 @@ class Executable:
     # a program that needs several kernels: each group's program and executable, run in order
     # (main, combine, ... are the first group's)
     groups: tuple[tuple[Group, Executable], ...] = ()
+    record: KernelPlan | None = None  # every decision behind the main kernel
 
 
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
@@ -538,10 +574,10 @@ class Compiled:
         dependent_launch = plan.splits > 1 and not interpreter and _supports_dependent_launch(device)
         grid_group = None if tiling.grid else _grid_group(
             math.ceil(sizes[roles.row] / plan.block_row), batch, plan.splits, _num_sms(device), use_block_map, device)
-        key = (program.fingerprint(), tuple(sorted(dtypes.items())), tuple(sorted(full_sizes.items())), plan,
-               layout, interpreter, str(device), tma, positive,
-               combine_rows, prefetch_index, grid_group, dependent_launch,
-               os.environ.get("NEPTUNE_FUSION_BACKEND", DEFAULT_BACKEND))
+        record = KernelPlan(plan, tiling, tuple(sorted(dtypes.items())), tuple(sorted(full_sizes.items())), layout,
+                            tma, positive, combine_rows, prefetch_index, grid_group, dependent_launch,
+                            os.environ.get("NEPTUNE_FUSION_BACKEND", DEFAULT_BACKEND), interpreter, str(device))
+        key = (program.fingerprint(), record)
         if key in self._cache:
             return self._cache[key]
         steps = list(_fuse_cached(program, plan.splits))
@@ -635,7 +671,8 @@ class Compiled:
             tile.notes.append(f"backend: {why}")
             source = generate(tile, target)
         main = KernelLaunch(tile, source, _load_kernel(source, name), fused, backend)
-        exe = Executable(steps, plan, main, combine, combine_steps, masks if use_block_map else None, ctile)
+        exe = Executable(steps, plan, main, combine, combine_steps, masks if use_block_map else None, ctile,
+                         record=record)
         self._cache[key] = exe
         return exe
 

@@ -66,6 +66,8 @@ def explain(program: ProgramDef | Program | Compiled | Callable[..., Any], *args
     section("schedule", f"template {plan.template}: block_row={plan.block_row} block_col={plan.block_col} "
                         f"num_warps={plan.num_warps} num_stages={plan.num_stages} splits={plan.splits} "
                         f"prefetch_dot={plan.prefetch_dot}")
+    if exe.record is not None:
+        section("kernel plan (every decision, the cache key)", exe.record.describe() + f"\nbackend used: {exe.main.backend}")
     section("tile program", format_tile_kernel(exe.main.tile))
     section("Gluon source" if exe.main.backend == "gluon" else "Triton source", exe.main.source)
     if exe.combine_tile is not None:
