@@ -342,3 +342,16 @@ def test_relative_position_table_gradient_in_kernels() -> None:
     s = (ref[0] @ ref[1].transpose(-1, -2) / 4.0 + ref[3][:, i - j + n]).masked_fill(~(i >= j), -math.inf)
     want = torch.autograd.grad(torch.softmax(s, -1) @ ref[2], ref, seed)
     assert_grads(got, want, tol=2e-4)
+
+
+def test_a_backward_that_cannot_be_planned_raises_at_the_forward_call() -> None:
+    """Linear cross-entropy with a hidden size over what a tile holds whole: dW's loop would both
+    contract the hidden axis (the logits) and accumulate over it, which no kernel plan computes; the
+    forward call says so, naming the stage, before any step runs (and nothing is returned)."""
+    h = torch.randn(8, 600, requires_grad=True)
+    w = torch.randn(16, 600, requires_grad=True)
+    target = torch.randint(0, 16, (8,))
+    with pytest.raises(FusionError, match=r"\[tile planning\] stage 'grad_w_part'"):
+        nf.compile(linear_cross_entropy)(h, w, target)
+    with torch.no_grad():  # forward-only, the same program compiles (its loop over the vocabulary K-loops)
+        assert nf.compile(linear_cross_entropy)(h, w, target).shape == (8,)

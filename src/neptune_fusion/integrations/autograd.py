@@ -19,18 +19,19 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Sequence
 
 import torch
 
 from neptune_fusion.analysis.chains import chain_axis
 from neptune_fusion.integrations.ops import call_in_graph
+from neptune_fusion.ir.errors import FusionError
 from neptune_fusion.ir.program import Program
 from neptune_fusion.lang.trace import FixedProgram
 from neptune_fusion.runtime import compiled as _compiled
 from neptune_fusion.runtime.compiled import Compiled, output_specs
-from neptune_fusion.runtime.reference import run_reference
+from neptune_fusion.runtime.reference import axis_extents, run_reference
 from neptune_fusion.runtime.state import in_cudagraph_tree, private_state
 from neptune_fusion.schedule.partition import Group, partition_loops
 from neptune_fusion.schedule.templates import Auto
@@ -63,6 +64,26 @@ class Kernels:
             sub = group.program
             self.steps.append((group, Compiled(FixedProgram(sub), Auto(), allow_fallback) if chain_axis(sub)
                                else Unfused(sub)))
+
+    def prepare(self, **named: Any) -> None:
+        """Plan and compile every kernel for arguments like `named` without running any, so a
+        backward that cannot be planned raises at the forward call, before a training step."""
+        sizes = axis_extents(self.program, named)
+        pool = dict(named)
+        for group, fn in self.steps:
+            args = {b.name: pool[b.name] for b in group.program.inputs}
+            args.update({p: named[p] for p in group.program.params})
+            if isinstance(fn, Compiled):
+                try:
+                    fn.executable_for(group.program, args)
+                except FusionError:
+                    if not fn.allow_fallback:
+                        raise
+            example = next(iter(named.values()))
+            for name in group.results:
+                if not name.startswith("output:"):
+                    shape = [sizes[a] for a in self.program.stage(name).axes]
+                    pool[name] = torch.empty(shape, dtype=torch.float32, device=example.device)
 
     def __call__(self, **named: Any) -> tuple[torch.Tensor, ...]:
         pool = dict(named)
@@ -111,6 +132,7 @@ class _Entry:
     derived: Derived
     names: tuple[str, ...]  # the call's arguments, in order
     kinds: tuple[str, ...]  # "tensor" | "float" | "int" per argument
+    prepared: list[bool] = field(default_factory=lambda: [False])  # the backward's kernels planned
 
     def named(self, tensors: list[torch.Tensor], floats: list[float], ints: list[int]) -> dict[str, Any]:
         sources = {"tensor": iter(tensors), "float": iter(floats), "int": iter(ints)}
@@ -142,9 +164,37 @@ def training_handle(fn: Compiled, names: tuple[str, ...], kinds: tuple[str, ...]
 def train_forward(tensors: list[torch.Tensor], floats: list[float], ints: list[int], handle: int) -> list[torch.Tensor]:
     """The forward of a call that records gradients: its outputs, then the statistics its backward reads."""
     entry = _entries[handle]
+    named = entry.named(tensors, floats, ints)
+    if not entry.prepared[0]:  # a backward that cannot be planned raises here, before any training step
+        _prepare_backward(entry.derived, named)
+        entry.prepared[0] = True
     with private_state(in_cudagraph_tree()):  # in torch.compile's CUDA graphs no memory may outlive the call
-        result = entry.derived.forward(**entry.named(tensors, floats, ints))
+        result = entry.derived.forward(**named)
     return list(result) if isinstance(result, tuple) else [result]
+
+
+def _backward_args(derived: Derived, named: dict[str, Any], results: Sequence[torch.Tensor],
+                   grads: Sequence[torch.Tensor | None]) -> dict[str, Any]:
+    """The backward program's arguments: the call's, the forward's saved statistics and outputs
+    (with the stage's own axes: size-1 dims dropped), and the outputs' gradients."""
+    gradient, outputs = derived.gradient, derived.program.outputs
+    values: dict[str, Any] = {}
+    for i in gradient.outputs_read:
+        out = results[i]
+        values[outputs[i].stage] = out.reshape([n for n, d in zip(out.shape, outputs[i].dims) if d is not None])
+    values.update(zip(gradient.saved, results[len(outputs) - len(gradient.saved):]))
+    for i in gradient.grads_read:
+        g = grads[i]
+        values[grad_name(i)] = torch.zeros_like(results[i]) if g is None else g.contiguous()
+    args = {b.name: named[b.name] if b.name in named else values[b.name] for b in gradient.backward.inputs}
+    args.update({p: named[p] for p in gradient.backward.params})
+    return args
+
+
+def _prepare_backward(derived: Derived, named: dict[str, Any]) -> None:
+    device = next(v.device for v in named.values() if isinstance(v, torch.Tensor))
+    results = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in output_specs(derived.forward, named)]
+    derived.backward.prepare(**_backward_args(derived, named, results, [None] * len(results)))
 
 
 @train_forward.register_fake
@@ -167,18 +217,7 @@ def _backward(ctx: Any, grads: list[torch.Tensor | None]) -> tuple[Any, ...]:
     stored = ctx.saved_tensors
     tensors, results = list(stored[:ctx.count]), stored[ctx.count:]
     named = entry.named(tensors, ctx.floats, ctx.ints)
-    outputs = derived.program.outputs
-    values: dict[str, Any] = {}
-    for i in gradient.outputs_read:  # read with the stage's own axes: size-1 dims dropped
-        out = results[i]
-        values[outputs[i].stage] = out.reshape([n for n, d in zip(out.shape, outputs[i].dims) if d is not None])
-    values.update(zip(gradient.saved, results[len(outputs) - len(gradient.saved):]))
-    for i in gradient.grads_read:
-        g = grads[i]
-        values[grad_name(i)] = torch.zeros_like(results[i]) if g is None else g.contiguous()
-    args = {b.name: named[b.name] if b.name in named else values[b.name] for b in gradient.backward.inputs}
-    args.update({p: named[p] for p in gradient.backward.params})
-    found = dict(zip(gradient.nonzero, derived.backward(**args)))
+    found = dict(zip(gradient.nonzero, derived.backward(**_backward_args(derived, named, results, grads))))
     out: list[torch.Tensor | None] = []
     for name, tensor in zip((n for n, k in zip(entry.names, entry.kinds) if k == "tensor"), tensors):
         if name not in gradient.wrt:
