@@ -14,6 +14,7 @@ Example:
     === 4. inline everything else into the loop and the outputs ===
     === 5. rolling update along 'a1' (derived repair terms) ===
     === schedule ===
+    === kernel plan (every decision, the cache key) ===
     === tile program ===
     === Triton source ===
 """
