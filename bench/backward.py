@@ -4,6 +4,8 @@ importable, in one process; gradients of q, k, v (and of learnable ALiBi slopes)
 an fp32 dense reference on a few heads; peak extra memory of each backward recorded.
 
     python bench/backward.py [--seqs 4096 16384] [--cases causal global ...] [--dtypes fp16 bf16]
+    TRITON_INTERPRET=1 python bench/backward.py --check-only --seqs 64 --heads 2 --dim 16 --dtypes fp32
+                                                 (the correctness half on the CPU, under the interpreter)
 
 Writes $OUT/backward.json (or bench/results/backward.json) and prints one line per case.
 """
@@ -23,7 +25,8 @@ from bench.common import bench, environment, rel_err, warm_up_gpu, write_results
 
 HEADS, DIM, WINDOW, SOFTCAP = 32, 128, 1024, 50.0
 CHECK_HEADS = 2  # heads compared against the fp32 dense reference (its score matrix is L x L per head)
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 flex = torch.compile(flex_attention, dynamic=False)
 
 try:
@@ -37,7 +40,7 @@ def case_mods(case: str, seq: int, slopes: torch.Tensor) -> tuple[Any, Any, dict
     g = torch.Generator().manual_seed(seq)
     lengths = torch.randint(seq // 16, seq // 4, (64,), generator=g)
     doc = torch.repeat_interleave(torch.arange(64), lengths)[:seq]
-    doc = torch.cat([doc, torch.full((seq - doc.numel(),), 64)]).to("cuda")
+    doc = torch.cat([doc, torch.full((seq - doc.numel(),), 64)]).to(DEVICE)
 
     def causal(b, h, q_idx, kv_idx):
         return q_idx >= kv_idx
@@ -93,14 +96,15 @@ def peak_extra(step: Callable[[], Any]) -> int:
     return torch.cuda.max_memory_allocated() - base
 
 
-def measure(case: str, seq: int, dtype: torch.dtype) -> dict[str, Any]:
+def measure(case: str, seq: int, dtype: torch.dtype, check_only: bool = False) -> dict[str, Any]:
     torch.manual_seed(0)
-    q, k, v = (torch.randn(1, HEADS, seq, DIM, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
-    slopes = torch.exp2(-8.0 * torch.arange(1, HEADS + 1, device="cuda") / HEADS).requires_grad_(case == "alibi")
+    q, k, v = (torch.randn(1, HEADS, seq, DIM, device=DEVICE, dtype=dtype, requires_grad=True) for _ in range(3))
+    slopes = torch.exp2(-8.0 * torch.arange(1, HEADS + 1, device=DEVICE) / HEADS).requires_grad_(case == "alibi")
     score_mod, mask_mod, fa4_args = case_mods(case, seq, slopes)
-    grad = torch.randn(1, HEADS, seq, DIM, device="cuda", dtype=dtype)
+    grad = torch.randn(1, HEADS, seq, DIM, device=DEVICE, dtype=dtype)
     inputs = [q, k, v, *([slopes] if case == "alibi" else [])]
-    block = create_block_mask(mask_mod, None, None, seq, seq) if mask_mod is not None else None
+    block = (create_block_mask(mask_mod, None, None, seq, seq, device=DEVICE, BLOCK_SIZE=min(128, seq))
+             if mask_mod is not None else None)
     ours = fwd_bwd(lambda: nf.attention(q, k, v, score_mod=score_mod, block_mask=block), inputs, grad)
     row: dict[str, Any] = {"case": case, "seq": seq, "dtype": str(dtype).split(".")[-1]}
     got = ours()
@@ -113,6 +117,10 @@ def measure(case: str, seq: int, dtype: torch.dtype) -> dict[str, Any]:
     row["err"] = {n: rel_err(g[:, :CHECK_HEADS] if g.dim() == 4 else g[:CHECK_HEADS], w[:, :CHECK_HEADS]
                              if w.dim() == 4 else w[:CHECK_HEADS])
                   for n, g, w in zip("qkvs", got, want) if w is not None}
+    if check_only:
+        print(f"{case:9s} {seq:6d} {row['dtype']:9s} err " + " ".join(f"{n}={e:.1e}" for n, e in row["err"].items()),
+              flush=True)
+        return row
     row["ours_us"] = bench(ours)
     row["ours_peak_mb"] = peak_extra(ours) / 2**20
     base: dict[str, Callable[[], Any]] = {}
@@ -153,19 +161,26 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--cases", nargs="+", default=["causal", "global", "alibi", "softcap", "window", "document"])
     parser.add_argument("--dtypes", nargs="+", default=["fp16", "bf16"])
+    parser.add_argument("--heads", type=int, default=HEADS)
+    parser.add_argument("--dim", type=int, default=DIM)
+    parser.add_argument("--check-only", action="store_true", help="gradients against fp32 only, no timing")
     args = parser.parse_args()
-    warm_up_gpu()
+    globals().update(HEADS=args.heads, DIM=args.dim)
+    if DEVICE == "cuda":
+        warm_up_gpu()
     rows = []
     for dtype in args.dtypes:
         for seq in args.seqs:
             for case in args.cases:
                 try:
-                    rows.append(measure(case, seq, DTYPES[dtype]))
+                    rows.append(measure(case, seq, DTYPES[dtype], args.check_only))
                 except Exception as exc:  # noqa: BLE001 - one failing case must not hide the others
                     print(f"{case} {seq} {dtype} FAILED: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
                     rows.append({"case": case, "seq": seq, "dtype": dtype, "error": f"{type(exc).__name__}: {exc}"})
-                torch.cuda.empty_cache()
-    print("wrote", write_results("backward", {"env": environment(), "fa4": fa4 is not None, "rows": rows}))
+                if DEVICE == "cuda":
+                    torch.cuda.empty_cache()
+    if DEVICE == "cuda":
+        print("wrote", write_results("backward", {"env": environment(), "fa4": fa4 is not None, "rows": rows}))
 
 
 if __name__ == "__main__":
