@@ -16,16 +16,8 @@ second passes, fp32 dots, loads the copy engine cannot do) stay with `triton_sou
 `gluon_support` first.
 
 Example: a tile program of 16-row tiles stays with Triton, and `gluon_support` says why:
-    >>> import torch
-    >>> from neptune_fusion.library import causal_attention
-    >>> from neptune_fusion.tile.lower import LoweringConfig, lower
-    >>> from neptune_fusion.transform.inline import inline_along, inline_elementwise
-    >>> from neptune_fusion.transform.rolling import rolling_update
-    >>> q = k = v = torch.randn(1, 1, 16, 8)
-    >>> fused = rolling_update(inline_along(inline_elementwise(causal_attention.trace(q, k, v, 0.5)), "k"), "k")
-    >>> config = LoweringConfig({"q": "f32", "k": "f32", "v": "f32"}, {"d": 8, "d2": 8}, block_row=16,
-    ...                         block_col=16, num_warps=4, num_stages=1)
-    >>> kernel = lower(fused, config)
+    >>> from neptune_fusion.tile.lower import example_kernel
+    >>> kernel = example_kernel()
     >>> gluon_support(kernel)
     'the row tile must be 128 rows (two consumer warpgroups of 64)'
 """

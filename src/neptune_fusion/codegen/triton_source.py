@@ -5,16 +5,8 @@ than the result is expanded with `[:, None]`-style indexing. `target="cuda"`
 uses fast PTX for tanh; `target="interpreter"` keeps to what TRITON_INTERPRET runs.
 
 Example:
-    >>> import torch
-    >>> from neptune_fusion.library import causal_attention
-    >>> from neptune_fusion.tile.lower import LoweringConfig, lower
-    >>> from neptune_fusion.transform.inline import inline_along, inline_elementwise
-    >>> from neptune_fusion.transform.rolling import rolling_update
-    >>> q = k = v = torch.randn(1, 1, 16, 8)
-    >>> fused = rolling_update(inline_along(inline_elementwise(causal_attention.trace(q, k, v, 0.5)), "k"), "k")
-    >>> config = LoweringConfig({"q": "f32", "k": "f32", "v": "f32"}, {"d": 8, "d2": 8}, block_row=16,
-    ...                         block_col=16, num_warps=4, num_stages=1)
-    >>> kernel = lower(fused, config)
+    >>> from neptune_fusion.tile.lower import example_kernel
+    >>> kernel = example_kernel()
     >>> source = generate(kernel, target="interpreter")
     >>> source.splitlines()[:2]
     ['import triton', 'import triton.language as tl']

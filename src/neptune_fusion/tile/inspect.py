@@ -4,16 +4,8 @@ Used to check what the mask analysis promises (fully masked tiles are never visi
 without running the kernel.
 
 Example: causal attention in tiles of 16, rows 32..47 (programs walk the row tiles heaviest first):
-    >>> import torch
-    >>> from neptune_fusion.library import causal_attention
-    >>> from neptune_fusion.tile.lower import LoweringConfig, lower
-    >>> from neptune_fusion.transform.inline import inline_along, inline_elementwise
-    >>> from neptune_fusion.transform.rolling import rolling_update
-    >>> q = k = v = torch.randn(1, 1, 16, 8)
-    >>> fused = rolling_update(inline_along(inline_elementwise(causal_attention.trace(q, k, v, 0.5)), "k"), "k")
-    >>> config = LoweringConfig({"q": "f32", "k": "f32", "v": "f32"}, {"d": 8, "d2": 8}, block_row=16,
-    ...                         block_col=16, num_warps=4, num_stages=1)
-    >>> kernel = lower(fused, config)
+    >>> from neptune_fusion.tile.lower import example_kernel
+    >>> kernel = example_kernel()
     >>> for lo, hi, what in loop_ranges(kernel, pids=(1, 0, 0), sizes={"q": 64, "k": 64}):
     ...     print(lo, hi, what)
     0 0 tiles that need masks (before the fully visible range)

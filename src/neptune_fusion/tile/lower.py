@@ -13,16 +13,7 @@ depend on the loop are computed once before it. Mask analysis splits the loop in
 tiles that need mask arithmetic and tiles that need none, and skips the rest.
 
 Example:
-    >>> import torch
-    >>> from neptune_fusion.library import causal_attention
-    >>> from neptune_fusion.tile.lower import LoweringConfig, lower
-    >>> from neptune_fusion.transform.inline import inline_along, inline_elementwise
-    >>> from neptune_fusion.transform.rolling import rolling_update
-    >>> q = k = v = torch.randn(1, 1, 16, 8)
-    >>> fused = rolling_update(inline_along(inline_elementwise(causal_attention.trace(q, k, v, 0.5)), "k"), "k")
-    >>> config = LoweringConfig({"q": "f32", "k": "f32", "v": "f32"}, {"d": 8, "d2": 8}, block_row=16,
-    ...                         block_col=16, num_warps=4, num_stages=1)
-    >>> kernel = lower(fused, config)
+    >>> kernel = example_kernel()
     >>> from neptune_fusion.tile.ir import format_tile_kernel
     >>> for line in format_tile_kernel(kernel).splitlines()[:2]:
     ...     print(line)
@@ -1148,6 +1139,22 @@ class KernelBuilder:
         if value.axes != axes_all:
             value = self.bin("add", value, self.op("full", axes_all, "f32", prefix="z", value=0.0))
         self.scopes[-1].stmts.append(Store(buffer, base, offset, value, mask))
+
+
+def example_kernel(block: int = 16) -> TileKernel:
+    """Causal attention over 16 tokens (head dim 8, fp32) fused and lowered in `block`-sized tiles:
+    the small kernel the examples of the tile layer and the code generators work on."""
+    import torch
+
+    from neptune_fusion.library import causal_attention
+    from neptune_fusion.transform.inline import inline_along, inline_elementwise
+    from neptune_fusion.transform.rolling import rolling_update
+
+    q = torch.randn(1, 1, 16, 8)
+    fused = rolling_update(inline_along(inline_elementwise(causal_attention.trace(q, q, q, 0.5)), "k"), "k")
+    config = LoweringConfig({"q": "f32", "k": "f32", "v": "f32"}, {"d": 8, "d2": 8}, block_row=block,
+                            block_col=block, num_warps=4, num_stages=1)
+    return lower(fused, config)
 
 
 def lower(program: Program, config: LoweringConfig, name: str = "fused_kernel") -> TileKernel:
