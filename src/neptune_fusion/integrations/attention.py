@@ -842,15 +842,15 @@ def _is_block_mask(x: Any) -> bool:
 _NOOP_BLOCK = 1 << 30  # FlexAttention's BLOCK_SIZE of a BlockMask that masks nothing
 
 
-def _block_builtins(block_mask: Any, mask_mod: Any, q: torch.Tensor, k: torch.Tensor
-                    ) -> tuple[Any, tuple[int, int, bool] | None, tuple[torch.Tensor, ...]]:
-    """(the mask_mod to trace, the block-table builtin, the tables) of a call's mask arguments."""
+def mask_arguments(block_mask: Any, mask_mod: Any, q: torch.Tensor) -> tuple[Any, Any]:
+    """(the BlockMask or None, the mask function or None) of a call's mask arguments, checked as
+    FlexAttention checks them; a BlockMask that masks nothing becomes its mask function."""
     if block_mask is None and _is_block_mask(mask_mod):  # a BlockMask given as mask_mod= means the same
         block_mask, mask_mod = mask_mod, None
     if block_mask is None:
         if mask_mod is not None and not callable(mask_mod):
             raise TypeError(f"mask_mod must be a function (b, h, q_idx, kv_idx) -> bool, got {type(mask_mod).__name__}")
-        return mask_mod, None, ()
+        return None, mask_mod
     if mask_mod is not None:
         raise ValueError("pass either block_mask= or mask_mod=, not both (a BlockMask carries its own mask_mod)")
     if not _is_block_mask(block_mask):
@@ -860,7 +860,16 @@ def _block_builtins(block_mask: Any, mask_mod: Any, q: torch.Tensor, k: torch.Te
         raise RuntimeError(f"Expect q/k/v and block_mask to be on the same device but got {q.device} and "
                            f"{block_mask.kv_num_blocks.device}")
     if tuple(block_mask.BLOCK_SIZE) == (_NOOP_BLOCK, _NOOP_BLOCK):
-        return block_mask.mask_mod, None, ()
+        return None, block_mask.mask_mod
+    return block_mask, None
+
+
+def _block_builtins(block_mask: Any, mask_mod: Any, q: torch.Tensor, k: torch.Tensor
+                    ) -> tuple[Any, tuple[int, int, bool] | None, tuple[torch.Tensor, ...]]:
+    """(the mask_mod to trace, the block-table builtin, the tables) of a call's mask arguments."""
+    block_mask, mask_mod = mask_arguments(block_mask, mask_mod, q)
+    if block_mask is None:
+        return mask_mod, None, ()
     tables = block_tables(block_mask, q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     extras = (tables.partial,) if tables.full is None else (tables.partial, tables.full)
     return tables.mask_mod, (tables.q_block, tables.kv_block, tables.full is not None), extras

@@ -47,11 +47,11 @@ from neptune_fusion.integrations.attention import (
     Outputs,
     ScoreMod,
     _check_inputs,
-    _is_block_mask,
     _keys,
     _Request,
     attention,
     attention_program,
+    mask_arguments,
 )
 from neptune_fusion.integrations.blockmask import BlockTables, as_mask_mod, block_tables
 from neptune_fusion.integrations.context_parallel_comm import (
@@ -83,7 +83,6 @@ from neptune_fusion.schedule.pipeline import fuse
 
 __all__ = ["context_parallel_attention", "context_parallel_gather", "context_parallel_shard"]
 
-_NOOP_BLOCK = 1 << 30  # FlexAttention's BLOCK_SIZE of a BlockMask that masks nothing
 _CACHE_SIZE = 256
 
 kernel_calls = 0  # attention kernel calls made by context_parallel_attention (read by tests)
@@ -284,27 +283,6 @@ def _all_gathered(call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 # --------------------------------------------------------------------------- the API
 
 
-def _mask_args(block_mask: Any, mask_mod: Any, q: torch.Tensor) -> tuple[Any, Any]:
-    """(the BlockMask or None, the mask function or None), checked as nf.attention checks them."""
-    if block_mask is None and _is_block_mask(mask_mod):
-        block_mask, mask_mod = mask_mod, None
-    if block_mask is None:
-        if mask_mod is not None and not callable(mask_mod):
-            raise TypeError(f"mask_mod must be a function (b, h, q_idx, kv_idx) -> bool, got {type(mask_mod).__name__}")
-        return None, mask_mod
-    if mask_mod is not None:
-        raise ValueError("pass either block_mask= or mask_mod=, not both (a BlockMask carries its own mask_mod)")
-    if not _is_block_mask(block_mask):
-        raise TypeError(f"block_mask must be a torch.nn.attention.flex_attention.BlockMask, got "
-                        f"{type(block_mask).__name__}; pass a mask function as mask_mod=")
-    if block_mask.kv_num_blocks.device != q.device:
-        raise RuntimeError(f"Expect q/k/v and block_mask to be on the same device but got {q.device} and "
-                           f"{block_mask.kv_num_blocks.device}")
-    if tuple(block_mask.BLOCK_SIZE) == (_NOOP_BLOCK, _NOOP_BLOCK):  # flex_attention's "no mask"
-        return None, block_mask.mask_mod
-    return block_mask, None
-
-
 def _memory_budget(device: torch.device) -> int:
     """Bytes this rank can give a gathered K/V (CUDA: what is free now; CPU: not limited here)."""
     if device.type == "cuda":
@@ -365,7 +343,7 @@ def _check_call(q: Any, k: Any, v: Any, score_mod: Any, block_mask: Any, mask_mo
                 load_balance: Any, strategy: Any) -> tuple[float, Any, Any]:
     """The local checks, before any communication: (the scale, the BlockMask, the mask function)."""
     _, scale = _check_inputs(q, k, v, score_mod, scale, enable_gqa)
-    block_mask, mask_mod = _mask_args(block_mask, mask_mod, q)
+    block_mask, mask_mod = mask_arguments(block_mask, mask_mod, q)
     check_load_balance(load_balance)
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be 'ring', 'all_gather' or None (chosen from the shapes), got {strategy!r}")
