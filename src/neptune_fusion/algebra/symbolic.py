@@ -36,6 +36,7 @@ from neptune_fusion.ir.expr import (
     loads_of,
     walk,
 )
+from neptune_fusion.ir.printer import format_expr
 
 
 class NotAlgebraic(Exception):
@@ -272,8 +273,6 @@ class ValueSymbols:
 
     def symbol(self, expr: Expr) -> sp.Symbol:
         """The symbol standing for `expr` (a load, index, parameter or size)."""
-        from neptune_fusion.ir.printer import format_expr
-
         if expr not in self.symbols:
             sym = sp.Symbol(format_expr(expr), real=True)
             if sym in self.exprs:  # equal text, different expression (3 and 3.0): keep them apart

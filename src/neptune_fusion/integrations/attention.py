@@ -56,8 +56,8 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
+from neptune_fusion.integrations.autograd import handle_for
 from neptune_fusion.integrations.autograd import train_forward as _train_forward
-from neptune_fusion.integrations.autograd import training_handle
 from neptune_fusion.integrations.blockmask import block_tables, visible
 from neptune_fusion.ir.expr import Const, simplify
 from neptune_fusion.ir.program import Program
@@ -756,15 +756,7 @@ def _training_handle_of(handle: int, layout: tuple[tuple[Any, ...], ...], scale:
                 raise NotImplementedError("a tensor the mods capture by identity (not a closure variable "
                                           "torch.compile can follow) in a call that records gradients")
             order.append(pos)
-    fn = _compiled_for(call, h.request.schedule)
-    names = tuple(call.args)
-    kinds = tuple("tensor" if isinstance(a, torch.Tensor) else "float" for a in call.args.values())
-    wrt = tuple(n for n, a in call.args.items() if isinstance(a, torch.Tensor) and a.requires_grad
-                and a.is_floating_point())
-    tensors = [a for a in call.args.values() if isinstance(a, torch.Tensor)]
-    train = training_handle(fn, names, kinds, wrt, tuple(tuple(t.shape) for t in tensors),
-                            tuple(str(t.dtype).split(".")[-1] for t in tensors), (scale,))
-    return train, tuple(order)
+    return handle_for(_compiled_for(call, h.request.schedule), call.args), tuple(order)
 
 
 def _extra_names(builtins: Builtins) -> list[str]:

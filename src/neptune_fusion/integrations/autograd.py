@@ -19,25 +19,25 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
 from neptune_fusion.analysis.chains import chain_axis
-from neptune_fusion.integrations.ops import call_in_graph
+from neptune_fusion.integrations.ops import argument_kinds, call_in_graph
 from neptune_fusion.ir.errors import FusionError
 from neptune_fusion.ir.program import Program
 from neptune_fusion.lang.trace import FixedProgram
 from neptune_fusion.runtime import compiled as _compiled
-from neptune_fusion.runtime.compiled import Compiled, output_specs
+from neptune_fusion.runtime.compiled import Compiled, install_allocator, output_specs
 from neptune_fusion.runtime.reference import axis_extents, run_reference
 from neptune_fusion.runtime.state import in_cudagraph_tree, private_state
 from neptune_fusion.schedule.partition import Group, partition_loops
 from neptune_fusion.schedule.templates import Auto
 from neptune_fusion.transform.grad import Gradient, differentiate, grad_name
 
-__all__ = ["Derived", "Kernels", "call_with_grad", "derived_for", "train_forward", "training_handle"]
+__all__ = ["Derived", "Kernels", "call_with_grad", "derived_for", "handle_for", "train_forward", "training_handle"]
 
 
 class Unfused:
@@ -86,6 +86,7 @@ class Kernels:
                     pool[name] = torch.empty(shape, dtype=torch.float32, device=example.device)
 
     def __call__(self, **named: Any) -> tuple[torch.Tensor, ...]:
+        install_allocator()  # Triton's allocator is per thread, and autograd runs backward passes in its own
         pool = dict(named)
         outs: list[torch.Tensor | None] = [None] * len(self.program.outputs)
         for group, fn in self.steps:
@@ -125,14 +126,14 @@ def derived_for(fn: Compiled, program: Program, wrt: tuple[str, ...]) -> Derived
     return found
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Entry:
     """What the registered training op needs apart from tensors and numbers."""
 
     derived: Derived
     names: tuple[str, ...]  # the call's arguments, in order
     kinds: tuple[str, ...]  # "tensor" | "float" | "int" per argument
-    prepared: list[bool] = field(default_factory=lambda: [False])  # the backward's kernels planned
+    prepared: bool = False  # the backward's kernels planned for these shapes
 
     def named(self, tensors: list[torch.Tensor], floats: list[float], ints: list[int]) -> dict[str, Any]:
         sources = {"tensor": iter(tensors), "float": iter(floats), "int": iter(ints)}
@@ -165,9 +166,9 @@ def train_forward(tensors: list[torch.Tensor], floats: list[float], ints: list[i
     """The forward of a call that records gradients: its outputs, then the statistics its backward reads."""
     entry = _entries[handle]
     named = entry.named(tensors, floats, ints)
-    if not entry.prepared[0]:  # a backward that cannot be planned raises here, before any training step
+    if not entry.prepared:  # a backward that cannot be planned raises here, before any training step
         _prepare_backward(entry.derived, named)
-        entry.prepared[0] = True
+        entry.prepared = True
     with private_state(in_cudagraph_tree()):  # in torch.compile's CUDA graphs no memory may outlive the call
         result = entry.derived.forward(**named)
     return list(result) if isinstance(result, tuple) else [result]
@@ -233,21 +234,26 @@ def _backward(ctx: Any, grads: list[torch.Tensor | None]) -> tuple[Any, ...]:
 train_forward.register_autograd(_backward, setup_context=_setup)
 
 
+def handle_for(fn: Compiled, named: dict[str, Any]) -> int:
+    """The training op's handle of the call `fn(**named)`: gradients for the float tensors that
+    require grad."""
+    tensors = [v for v in named.values() if isinstance(v, torch.Tensor)]
+    wrt = tuple(n for n, v in named.items() if isinstance(v, torch.Tensor) and v.requires_grad and v.is_floating_point())
+    return training_handle(fn, tuple(named), argument_kinds(tuple(named.values())), wrt,
+                           tuple(tuple(t.shape) for t in tensors), tuple(str(t.dtype).split(".")[-1] for t in tensors),
+                           tuple(v for v in named.values() if not isinstance(v, torch.Tensor)))
+
+
 def call_with_grad(fn: Compiled, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """`fn(*args, **kwargs)` recorded for autograd with the program's derived backward: one
     registered op (`neptune_fusion::train_forward`, whose backward runs the backward's kernels,
     each one `neptune_fusion::program` op), in eager calls and inside torch.compile alike."""
     named = dict(fn.program_def.bind(*args, **kwargs))
-    names = tuple(named)
-    kinds = tuple("tensor" if isinstance(v, torch.Tensor) else "float" if isinstance(v, float) else "int"
-                  for v in named.values())
+    handle = handle_for(fn, named)
     tensors = [v for v in named.values() if isinstance(v, torch.Tensor)]
-    numbers = tuple(v for v in named.values() if not isinstance(v, torch.Tensor))
-    wrt = tuple(n for n, v in named.items() if isinstance(v, torch.Tensor) and v.requires_grad and v.is_floating_point())
-    handle = training_handle(fn, names, kinds, wrt, tuple(tuple(t.shape) for t in tensors),
-                              tuple(str(t.dtype).split(".")[-1] for t in tensors), numbers)
+    numbers = [v for v in named.values() if not isinstance(v, torch.Tensor)]
     result = train_forward(tensors, [v for v in numbers if isinstance(v, float)],
-                            [v for v in numbers if not isinstance(v, float)], handle)
+                           [v for v in numbers if not isinstance(v, float)], handle)
     count = len(_entries[handle].derived.program.outputs) - len(_entries[handle].derived.gradient.saved)
     return result[0] if count == 1 else tuple(result[:count])
 

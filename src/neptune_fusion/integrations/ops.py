@@ -26,7 +26,7 @@ from neptune_fusion.runtime import compiled as _compiled
 from neptune_fusion.runtime.compiled import Compiled, output_specs
 from neptune_fusion.runtime.state import in_cudagraph_tree, private_state
 
-__all__ = ["call_in_graph"]
+__all__ = ["argument_kinds", "call_in_graph"]
 
 _calls: list[tuple[Compiled, tuple[str, ...], tuple[str, ...]]] = []  # handle -> (function, argument names, kinds)
 _handle_of: dict[tuple[int, tuple[str, ...], tuple[str, ...]], int] = {}
@@ -69,11 +69,16 @@ def _(tensors: list[torch.Tensor], floats: list[float], ints: list[int], handle:
     return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in output_specs(fn, named)]
 
 
+def argument_kinds(values: tuple[Any, ...]) -> tuple[str, ...]:
+    """How each of a call's arguments travels to a registered op: "tensor", "float" or "int"."""
+    return tuple("tensor" if isinstance(v, torch.Tensor) else "float" if isinstance(v, float) else "int"
+                 for v in values)
+
+
 def call_in_graph(fn: Compiled, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """The call `fn(*args, **kwargs)` as torch.compile traces it: one `neptune_fusion::program` op."""
     values = (*args, *kwargs.values())
-    kinds = tuple("tensor" if isinstance(v, torch.Tensor) else "float" if isinstance(v, float) else "int"
-                  for v in values)
+    kinds = argument_kinds(values)
     handle, _ = _handle(fn, len(args), tuple(kwargs), kinds)
     tensors = [v for v, k in zip(values, kinds) if k == "tensor"]
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):

@@ -745,7 +745,6 @@ class Compiled:
         return any(isinstance(a, torch.Tensor) and a.requires_grad for a in (*args, *kwargs.values()))
 
     def _launch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        install_allocator()  # Triton's allocator is per thread: autograd runs backward passes in its own
         if kwargs or len(args) != self._arity:
             args = tuple(v for _, v in self.program_def.bind(*args, **kwargs))
         return self.launcher_for(args)(args)

@@ -53,6 +53,7 @@ from neptune_fusion.ir.expr import (
     Unary,
     Where,
     free_axes,
+    loads_of,
     rebuild,
     simplify,
     substitute_index,
@@ -259,7 +260,6 @@ class _Reverse:
                                                               Index(member))})
                 frame = tuple(member if a == head else a for a in frame)
                 kept.append(axis)
-                rename[axis] = Index(axis)
             else:  # a computed index: the gradient lands where the index equals the buffer's position
                 if axis in frame:
                     raise FusionError(PASS, stage.name, f"load of {load.buffer!r}",
@@ -367,13 +367,9 @@ class _Reverse:
             here = Load(stage.name, tuple(map(Index, stage.axes)))
             value = Load(reader.name, tuple(map(Index, reader.axes)))
             solution = symbolic.solve_for(_strip_guards(reader.body), here, value)
-            if solution is not None and all(self.kept(n) and n not in out for n in loads_in(solution)):
+            if solution is not None and all(self.kept(n) and n not in out for n in loads_of(solution)):
                 out[stage.name] = Stage(stage.name, stage.axes, solution)
         return out
-
-
-def loads_in(expr: Expr) -> set[str]:
-    return {n.buffer for n in walk(expr) if isinstance(n, Load)}
 
 
 def _held_axes(program: Program) -> frozenset[str]:
@@ -504,7 +500,7 @@ def _stabiliser_is_free(program: Program, stabiliser: Stage) -> bool:
     factors: dict[str, object] = {}  # moving sum -> d(value)/d(epsilon) / value
 
     def inlined(expr: Expr) -> Expr:
-        while names := loads_in(expr) & set(elementwise):
+        while names := loads_of(expr) & set(elementwise):
             for name in names:
                 expr = inline_into(expr, elementwise[name])
         return expr
