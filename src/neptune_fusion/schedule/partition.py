@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any, Callable
 
 from neptune_fusion.analysis.chains import chain_axis, transitive_reads
 from neptune_fusion.ir.expr import Cast, Index, Load, Reduce
@@ -173,8 +174,8 @@ def partition_loops(program: Program, held: frozenset[str]) -> list[Group]:
     A reduction over a `held` axis (one the tiles hold whole or K-loop over: a head dim) whose
     axes include the loop axis of every kernel that reads it is recomputed inside those kernels,
     as scores are. Every other reduction is a loop of its own: those over the same axis, with the
-    same axes apart from held ones, at the same depth of the dependency order share a kernel;
-    what a kernel reads from an earlier one is materialised (fp32). An element-wise output goes
+    same axes apart from held ones, share a kernel (`_kernels`); what a kernel reads from an
+    earlier one is materialised (fp32). An element-wise output goes
     with the last kernel it reads (or, reading none, into a group without a reduction).
 
     Example:
@@ -190,7 +191,7 @@ def partition_loops(program: Program, held: frozenset[str]) -> list[Group]:
     by_name = {st.name: st for st in stages}
     outputs = {o.stage for o in program.outputs}
     order = [st.name for st in stages]
-    recomputed: set[str] = set()  # reductions computed again inside each kernel that reads them
+    # a reduction not in `loops` is computed again inside each kernel that reads it
     loops: dict[str, tuple[str, frozenset[str]]] = {}  # loop reduction -> (axis, axes apart from held)
 
     def readers_through(name: str) -> set[str]:
@@ -211,10 +212,8 @@ def partition_loops(program: Program, held: frozenset[str]) -> list[Group]:
         if st.reduce_op is None:
             continue
         readers = readers_through(st.name)
-        if (st.name not in outputs and st.reduce_axis in held and readers
-                and all(by_name[r].reduce_axis in st.axes for r in readers)):
-            recomputed.add(st.name)
-        else:
+        if (st.name in outputs or st.reduce_axis not in held or not readers
+                or any(by_name[r].reduce_axis not in st.axes for r in readers)):
             loops[st.name] = (st.reduce_axis, frozenset(st.axes) - held)
 
     def loop_reads(name: str) -> set[str]:
@@ -238,7 +237,7 @@ def partition_loops(program: Program, held: frozenset[str]) -> list[Group]:
             read = loop_reads(name)
             extra.setdefault(max((kernel_of[r] for r in read), default=len(kernels)), []).append(name)
     groups: list[Group] = []
-    later_reads = {n for name in order for n in loop_reads(name) if n in loops}
+    later_reads = {n for name in order for n in loop_reads(name)}
     for i in range(len(kernels) + 1):
         members = (kernels[i] if i < len(kernels) else []) + extra.get(i, [])
         if members:
@@ -246,34 +245,35 @@ def partition_loops(program: Program, held: frozenset[str]) -> list[Group]:
     return groups
 
 
-def _kernels(order: list[str], loops: dict[str, tuple[str, frozenset[str]]], loop_reads) -> list[list[str]]:  # noqa: ANN001
+def _kernels(order: list[str], loops: dict[str, tuple[str, frozenset[str]]],
+             loop_reads: Callable[[str], set[str]]) -> list[list[str]]:
     """The loop reductions by kernel, in the order the kernels run: one kernel per (loop axis,
     tiled axes), unless the kernels would then read each other's results in a cycle; then also
     by depth in the dependency order."""
     reads = {name: loop_reads(name) for name in loops}
-    keys = {name: loops[name] for name in loops}
-    graph = {key: set() for key in keys.values()}
-    for name, key in keys.items():
-        graph[key] |= {keys[r] for r in reads[name]} - {key}
-    ranked = _topological(graph)
-    if ranked is None:  # a cycle between kernels: split each by depth
+
+    def ranked(keys: dict[str, Any]) -> list[list[str]] | None:
+        graph: dict[Any, set[Any]] = {key: set() for key in keys.values()}
+        for name, key in keys.items():
+            graph[key] |= {keys[r] for r in reads[name]} - {key}
+        ordered = _topological(graph)
+        return None if ordered is None else [[n for n in order if keys.get(n) == key] for key in ordered]
+
+    found = ranked(dict(loops))
+    if found is None:  # a cycle between kernels: split each by depth
         depth: dict[str, int] = {}
         for name in order:
             if name in loops:
                 depth[name] = 1 + max((depth[r] for r in reads[name]), default=0)
-        keys = {name: (depth[name], *loops[name]) for name in loops}
-        graph = {key: set() for key in keys.values()}
-        for name, key in keys.items():
-            graph[key] |= {keys[r] for r in reads[name]} - {key}
-        ranked = _topological(graph)
-        assert ranked is not None
-    return [[n for n in order if n in keys and keys[n] == key] for key in ranked]
+        found = ranked({name: (depth[name], *loops[name]) for name in loops})
+        assert found is not None  # depth strictly increases along every read: no cycle is left
+    return found
 
 
-def _topological(graph: dict) -> list | None:  # noqa: ANN001 - keys are any hashable kernel keys
+def _topological(graph: dict[Any, set[Any]]) -> list[Any] | None:
     """The keys of `graph` (key -> keys it reads) with every key after what it reads; None on a cycle."""
-    done: list = []
-    placed: set = set()
+    done: list[Any] = []
+    placed: set[Any] = set()
     pending = list(graph)
     while pending:
         ready = [k for k in pending if graph[k] <= placed]
@@ -318,12 +318,10 @@ def _loop_group(program: Program, members: list[str], elsewhere: set[str], mater
     inputs = [InputBuffer(n, by_name[n].axes) for n in sorted(outside, key=list(by_name).index)]
     # an axis no input of the kernel has (the key heads a head-group sum writes) gets its size from
     # the program input that has it, passed to the kernel unread
-    used = {a for st in stages for a in st.axes} | {a for b in inputs for a in b.dims if a is not None}
     reads = {r for st in stages for r in st.reads()}
-    sizes_from = {program.axis_sizes[a][0] for a in used if a in program.axis_sizes
-                  and not any(a in program.input(r).dims for r in reads if r not in by_name)
-                  and not any(a in b.dims for b in inputs)}
-    inputs += [program.input(n) for n in sorted(sizes_from) if n not in reads]
+    sized = {a for b in program.inputs if b.name in reads for a in b.dims} | {a for b in inputs for a in b.dims}
+    missing = {a for st in stages for a in st.axes} - sized
+    inputs += [program.input(n) for n in sorted({program.axis_sizes[a][0] for a in missing if a in program.axis_sizes})]
     loop = {by_name[m].reduce_axis for m in members if by_name[m].reduce_op is not None}
     sub = _program(program, f"{program.name}_k{index}", stages, outputs, inputs)
     return Group(replace(sub, loop_axis=loop.pop()) if len(loop) == 1 else sub, tuple(results))
