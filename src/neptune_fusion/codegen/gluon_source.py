@@ -9,8 +9,8 @@ key-axis tiles through tensor descriptors becomes three partitions of one progra
   they wait on a slot's barriers, run their dots (wgmma) and arithmetic, and release the slot.
 
 No barrier spans the whole program inside the loop, so the two consumers drift out of phase and
-one's softmax runs while the other's matrix products use the tensor cores (the same loop through
-Triton measured 491 TF/s, this one 552, bench/results/run29/). Loops over run-time tile lists
+one's softmax runs while the other's matrix products use the tensor cores (faster than the same
+loop through Triton). Loops over run-time tile lists
 (block maps) work the same way: the producer reads the list itself. Kernels of other shapes (split-K,
 second passes, fp32 dots, loads the copy engine cannot do) stay with `triton_source`; a runtime asks
 `gluon_support` first.
@@ -33,7 +33,7 @@ from neptune_fusion.codegen.triton_source import _UNARY as _UNARY_TRITON
 from neptune_fusion.tile.ir import Assign, If, Loop, Op, Stmt, Store, TileKernel, TVal
 
 ROW_BLOCK = 128  # two consumer warpgroups of 64 rows each
-NUM_BUFFERS = 2  # ring slots (3 measured no faster, bench/results/run29/)
+NUM_BUFFERS = 2  # ring slots (a third adds shared memory and no speed)
 SHARED_MEMORY_BYTES = 220 * 1024  # of Hopper's 227 KB per program, with room for the barriers
 CONSUMER_REGISTERS = 232  # per thread; the producer warp keeps 24 (setmaxnreg)
 GL_DTYPES = {k: v.replace("tl.", "gl.") for k, v in TL_DTYPES.items()}

@@ -59,7 +59,7 @@ def _floordiv_float(a, b):
 # On the GPU the combine is PTX max.NaN.f32 written out: one FMNMX.NAN for each FMNMX, the kernels'
 # machine code otherwise unchanged. tl.maximum(..., propagate_nan=ALL) (LLVM's maximum) gives the
 # same instruction but lets LLVM vectorise the reductions built from it and the score arithmetic
-# feeding them, which it then scalarises badly (bench/NOTES.md item 38 has the measurement).
+# feeding them, which it then scalarises badly.
 _NAN_PAIRS = (("maximum", "max", "-inf"), ("minimum", "min", "inf"))
 
 

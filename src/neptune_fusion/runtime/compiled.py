@@ -396,7 +396,7 @@ def _num_sms(device: torch.device) -> int:
 
 
 GLUON_BLOCK_MAP_MIN_KEYS = 4096  # block-mapped loops go through Gluon only above this many keys
-DEFAULT_BACKEND = "auto"  # checked on the H200: bench/results/run30/gluon_check.json
+DEFAULT_BACKEND = "auto"  # Gluon where it can print the kernel, Triton elsewhere
 
 
 def _backend_setting() -> str:
@@ -444,19 +444,15 @@ def _grid_group(row_tiles: int, batch: int, splits: int, num_sms: int, block_map
     plain (row tiles, batch) grid, which holds at most 65535 batch entries.
 
     The largest divisor of the batch whose group still fits one wave of programs: each wave then
-    starts with the longest row tiles of its group and ends with the shortest. On the H200 causal
-    prefill (32 heads) ran 1.28x / 1.16x / 1.12x / 1.04x faster than one head at a time at 1k / 2k /
-    4k / 8k with groups of 16 / 8 / 4 / 2, while groups that did not divide the heads or overfilled
-    a wave gained nothing (4k: 4 heads 333 us, 5 or 6 heads 372-377 us, 1 head 372 us;
-    bench/results/explore_grid_sweep_run21.json).
+    starts with the longest row tiles of its group and ends with the shortest, which balances causal
+    prefill; a group that does not divide the heads or overfills a wave gains nothing.
     Block-mapped loops read only the tiles listed for their row tile, so they keep every head in one
-    group while the whole launch is at most eight waves (document mask at 4k: 168 us, 4 heads
-    194 us, 1 head 201 us; at 16k, 32 waves, all heads were 3% slower than one:
-    bench/results/explore_grid_flex_run22.json).
+    group while the whole launch is at most eight waves; past that, interleaving all heads costs more
+    than it balances.
     """
     setting = os.environ.get("NEPTUNE_FUSION_GRID_GROUP")
     if splits > 1:
-        # the fused combine tail indexes row tiles and heads by the plain grid order
+        # split-K's partial states and its combine are indexed by the plain (row tiles, batch) grid
         if batch > MAX_GRID_AXIS:
             raise ValueError(f"split_k runs at most {MAX_GRID_AXIS} batch entries (batch x heads) at once, "
                              f"got {batch}; use flash() or fewer sequences per call")
@@ -552,8 +548,8 @@ class Compiled:
         if not given_plan and gluon_reason is None:
             explicit_width = isinstance(self.schedule, (Flash, SplitK)) and self.schedule.block_k is not None
             if use_block_map and sizes[roles.col] > GLUON_BLOCK_MAP_MIN_KEYS and not explicit_width:
-                # block-mapped loops through Gluon are fastest with 128-wide key tiles (document mask
-                # at 16k: 1868 us vs 2071 with 64; bench/results/run31/gluon_check.json)
+                # block-mapped loops through Gluon run fastest with 128-wide key tiles: fewer listed
+                # tiles, each a longer copy for the producer warp
                 plan = replace(plan, block_col=128)
         _check_offsets(fused, roles, args)
         # how the axes the tile cannot hold whole are walked: across the grid or by inner loops
@@ -563,8 +559,8 @@ class Compiled:
         tma = all_tma = _tma_buffers(program, args, device, interpreter)
         if use_block_map or plan.splits > 1:
             # tiles at run-time coordinates (from the block map) and split-K's memory-bound single
-            # reads of each key tile load faster through pointers than through tensor descriptors
-            # (bench/NOTES.md items 11 and 24)
+            # reads of each key tile load faster through pointers: a descriptor costs more to set up
+            # than a tile read once saves
             tma = frozenset()
         positive = frozenset(p for p in program.params if isinstance(args[p], float) and args[p] > 0)
         combine_rows = min(16, 1 << max(0, (sizes[roles.row] - 1).bit_length()))
@@ -643,8 +639,7 @@ class Compiled:
         # copies), block-mapped ones too, and needs no software-pipelining rewrites of the loop
         reason = gluon_reason
         if reason is None and use_block_map and sizes[roles.col] <= GLUON_BLOCK_MAP_MIN_KEYS and _backend_setting() == "auto":
-            # short listed loops: Triton's kernel measured faster (document mask at 4k: 168 us vs 175;
-            # bench/results/run31/gluon_check.json)
+            # short listed loops: the producer warp's ring never fills, and Triton's kernel is faster
             reason = f"block-mapped loops over at most {GLUON_BLOCK_MAP_MIN_KEYS} keys measured faster through Triton"
         if reason is None:
             gluon_tile = lower(fused, replace(config, tma_buffers=all_tma, notes=[]), name)

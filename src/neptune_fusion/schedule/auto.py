@@ -46,8 +46,8 @@ def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: 
     """Resolve `schedule` for these sizes (rows: tiled axis, cols: reduced axis, batch: programs per row tile).
 
     `block_mapped`: tiles are visited from a run-time block map (under split-K each split takes a
-    share of each row tile's list), which gains from narrower key tiles (document mask at 4k/16k on
-    the H200: 128x64 200 / 2159 us, 128x128 223 / 2223 us; bench/results/explore_document_run16.json).
+    share of each row tile's list), which gains from narrower key tiles: a partly visible tile wastes
+    less.
     """
     if isinstance(schedule, Autotune):
         schedule = schedule.base
@@ -73,8 +73,8 @@ def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: 
         programs = math.ceil(rows / block_row) * batch
         splits = 0 if programs < num_sms and cols >= 4 * block_col else 1
     if splits != 1:
-        # memory-bound: 64-wide key tiles, 4 warps, 2 stages (H200 sweeps,
-        # bench/results/decode_sweep_run2.json), whether the split count is given or chosen
+        # memory-bound: 64-wide key tiles, 4 warps, 2 stages keep the most bytes in flight per
+        # multiprocessor, whether the split count is given or chosen
         if not interpreter:
             block_col, warps, stages = 64, 4, 2
         programs = math.ceil(rows / block_row) * batch
@@ -82,12 +82,10 @@ def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: 
         # about four programs per multiprocessor keep enough loads in flight, rounded down so no
         # multiprocessor gets an extra one; each chunk at least four tiles long. The combine merges
         # splits x rows partial states, so programs with several rows (packed GQA groups,
-        # speculative decoding) take fewer splits (GQA 64/8 at 16k: 16 splits 34 us, 64 splits
-        # 44 us, bench/results/explore_decode_run10.json)
+        # speculative decoding) take fewer splits
         wanted = max(1, (4 * num_sms) // (programs * min(4, rows)))
         # chunks of four tiles leave most multiprocessors idle when there are few programs (packed
-        # GQA 64/8 at 1k: 8 programs x 4 splits); shorter chunks until each multiprocessor has one
-        # (16 splits of one tile: 13.4 vs 15.8 us, bench/results/run33/decode_profile.json)
+        # GQA at short lengths); shorter chunks until each multiprocessor has one
         by_length = cols // (4 * block_col)
         to_fill = min(num_sms // programs, math.ceil(cols / block_col))
         splits = max(1, min(wanted, max(by_length, to_fill), 128))
@@ -96,10 +94,8 @@ def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: 
         chunk_tiles = math.ceil(math.ceil(cols / block_col) / splits)
         splits = math.ceil(math.ceil(cols / block_col) / chunk_tiles)
         # with at most two programs per multiprocessor, a third stage keeps more bytes in flight
-        # and still fits twice in shared memory (packed GQA 64/8 at 16k / 32k: 31.4 / 49.2 us with
-        # 64-wide tiles and 3 stages, 33.7 / 52.0 with 128-wide and 2, 31.8 / 49.4 with 128-wide and
-        # 3; softcap 32/16 at 16k: 48.9 vs 49.9; bench/results/run33/decode_profile.json). With more
-        # programs per multiprocessor 2 stages stay (MHA 32/32 at 16k: 78.9 vs 86.9 us with 3).
+        # and still fits twice in shared memory; with more programs per multiprocessor, they keep
+        # the loads in flight themselves and 2 stages stay
         resident = math.ceil(programs * splits / num_sms)
         stage_bytes = block_col * sum(full_sizes.values()) * (4 if dtype == "f32" else 2)
         if not interpreter and resident <= 2 and resident * 3 * stage_bytes <= SHARED_BYTES:
