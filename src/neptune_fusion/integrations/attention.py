@@ -595,7 +595,9 @@ def _compiled_for(call: _Call, schedule: Schedule | None) -> Compiled:
 
 
 def _needs_grad(tensors: Sequence[torch.Tensor]) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    """Whether any of `tensors` requires grad (callers check grad mode first: no list is built
+    on the inference path)."""
+    return any(t.requires_grad for t in tensors)
 
 
 def _run_with_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: _Request,
@@ -619,7 +621,7 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: _Request, e
         return (out, *(stat.clone() for _ in range(sum(request.outputs))))
     if found is None:  # an eager call (torch.compile checks before its op)
         keyed = _keys(request)
-        if _needs_grad([q, k, v, *keyed[1].tensors, *extras]):
+        if torch.is_grad_enabled() and _needs_grad([q, k, v, *keyed[1].tensors, *extras]):
             return _run_with_grad(q, k, v, request, extras, scale, groups)
     call = _resolve(q, k, v, request, extras, scale, groups, keyed, found)
     args = tuple(call.args.values())
@@ -728,7 +730,7 @@ def _run_compiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: _R
     mods = (request.score_mod, request.mask_mod)
     captured = [_follow(mods, p) for p in paths]
     found = [*captured, *extras]
-    if _needs_grad([q, k, v, *found]):
+    if torch.is_grad_enabled() and _needs_grad([q, k, v, *found]):
         layout = tuple((tuple(t.shape), str(t.dtype).split(".")[-1], t.requires_grad) for t in (q, k, v, *found))
         train, order = _training_handle_of(handle, layout, scale)
         sources = (q, k, v, *found)
@@ -882,7 +884,7 @@ def _call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: _Request, 
     fast_key = (id(request.score_mod), id(request.mask_mod), request[2:], scale, tensor_layout(q), tensor_layout(k),
                 tensor_layout(v), *map(tensor_layout, extras))
     hit = _fast.get(fast_key)
-    if hit is not None and hit.valid(request) and not _needs_grad([q, k, v, *hit.walk.tensors]):
+    if hit is not None and hit.valid(request) and not (torch.is_grad_enabled() and _needs_grad([q, k, v, *hit.walk.tensors])):
         return hit.launch(q, k, v, [*hit.walk.tensors, *extras])
     groups, checked = _check_inputs(q, k, v, request.score_mod, scale, request.enable_gqa)
     return _run(q, k, v, request, extras, checked, groups, fast_key=fast_key)
