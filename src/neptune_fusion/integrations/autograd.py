@@ -71,8 +71,7 @@ class Kernels:
         sizes = axis_extents(self.program, named)
         pool = dict(named)
         for group, fn in self.steps:
-            args = {b.name: pool[b.name] for b in group.program.inputs}
-            args.update({p: named[p] for p in group.program.params})
+            args = _group_args(group, pool, named)
             if isinstance(fn, Compiled):
                 try:
                     fn.executable_for(group.program, args)
@@ -90,8 +89,7 @@ class Kernels:
         pool = dict(named)
         outs: list[torch.Tensor | None] = [None] * len(self.program.outputs)
         for group, fn in self.steps:
-            args = {b.name: pool[b.name] for b in group.program.inputs}
-            args.update({p: named[p] for p in group.program.params})
+            args = _group_args(group, pool, named)
             result = call_in_graph(fn, (), args) if isinstance(fn, Compiled) else fn(**args)
             for name, value in zip(group.results, result if isinstance(result, tuple) else (result,)):
                 if name.startswith("output:"):
@@ -99,6 +97,12 @@ class Kernels:
                 else:
                     pool[name] = value
         return tuple(outs)  # type: ignore[arg-type]
+
+
+def _group_args(group: Group, pool: dict[str, Any], named: dict[str, Any]) -> dict[str, Any]:
+    """One kernel's arguments: its inputs from what the call and earlier kernels hold, and the
+    call's scalar parameters."""
+    return {**{b.name: pool[b.name] for b in group.program.inputs}, **{p: named[p] for p in group.program.params}}
 
 
 @dataclass(frozen=True)
