@@ -484,6 +484,23 @@ def benchmark_plans() -> list[dict[str, Any]]:
     return out
 
 
+def backward_plans(seq: int = 4096) -> list[dict[str, Any]]:
+    """The kernels of attention's derived backward (global and causal, 32 heads of 128, fp16, the
+    benchmark's shapes) planned and compiled for sm_90 with an H200 stood in for: what each asks
+    of shared memory and registers, and what ptxas spills."""
+    import neptune_fusion as nf
+
+    out = []
+    for name, mask in (("global", None), ("causal", lambda b, h, q_idx, kv_idx: q_idx >= kv_idx)):
+        record: list[dict[str, Any]] = []
+        with stand_in_h200(record):
+            q, k, v = (torch.empty(1, 32, seq, 128, dtype=torch.float16, requires_grad=True) for _ in range(3))
+            o = nf.attention(q, k, v, mask_mod=mask)
+            torch.autograd.grad(o, [q, k, v], torch.empty_like(o))
+        out.append({"case": name, "kernels": [r for r in record if "backward" in r["kernel"]]})
+    return out
+
+
 # --------------------------------------------------------------------------- driver
 
 

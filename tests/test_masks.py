@@ -172,3 +172,40 @@ def test_unions_of_affine_regions_skip_tiles(kind):
     qi, ki = torch.arange(128)[:, None], torch.arange(128)[None, :]
     s = (q @ k.mT / 4.0).masked_fill(~masks[kind](None, None, qi, ki), float("-inf"))
     torch.testing.assert_close(out, torch.softmax(s, -1) @ v)
+
+
+def test_block_map_takes_one_axis_conjuncts_apart_and_keeps_the_mask_cached(monkeypatch):
+    """A mask of documents and of keys per head (a padding mask): the per-head key condition is
+    evaluated over (head, key) alone, never over (head, query, key), and changing it leaves the
+    documents' part of the map cached. Tiles are still skipped and the results exact."""
+    g = torch.Generator().manual_seed(2)
+    doc = torch.sort(torch.randint(0, 3, (96,), generator=g)).values
+    keep = torch.rand(2, 96, generator=g) > 0.3
+    keep[1, 40:] = False  # a whole stretch of keys of head 1 masked: its tiles are skipped
+
+    def mask(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & keep[h, kv_idx]
+
+    shapes = []
+    evaluate = blockmap._Evaluator.eval
+
+    def recording(self, expr, frame):  # noqa: ANN001, ANN202
+        out = evaluate(self, expr, frame)
+        shapes.append(tuple(out.shape))
+        return out
+
+    monkeypatch.setattr(blockmap._Evaluator, "eval", recording)
+    q, k, v = (torch.randn(1, 2, 96, 16, generator=g) for _ in range(3))
+    schedule = nf.flash(block_q=16, block_k=16)
+    out = nf.attention(q, k, v, mask_mod=mask, schedule=schedule)
+    visible = (doc[:, None] == doc[None, :]) & keep[:, None, :]
+    torch.testing.assert_close(out, _table_attention(q, k, v, visible[None]))
+    assert shapes and max(math.prod(s) for s in shapes) < 2 * 96 * 96
+    dense_builds = [s for s in shapes if s[-2:] == (96, 96)]
+    assert dense_builds, shapes
+    shapes.clear()
+    keep[0, :10] = False  # the per-head keys change: only their part is evaluated again
+    out = nf.attention(q, k, v, mask_mod=mask, schedule=schedule)
+    assert shapes and all(s[-2:] != (96, 96) for s in shapes), shapes
+    visible = (doc[:, None] == doc[None, :]) & keep[:, None, :]
+    torch.testing.assert_close(out, _table_attention(q, k, v, visible[None]))

@@ -26,6 +26,7 @@ from neptune_fusion.tile.resources import (  # noqa: E402
     HOPPER_REGISTERS,
     HOPPER_SHARED_BYTES,
     SLACK_BYTES,
+    narrow_loops_first,
     register_estimate,
     shared_memory_estimate,
 )
@@ -49,9 +50,10 @@ CASES = [
 
 _OFFLINE = """
 import json, sys
-from bench.sweep import Case, benchmark_plans, check_case
+from bench.sweep import Case, backward_plans, benchmark_plans, check_case
 cases = [Case(**c) for c in json.loads(sys.argv[1])]
-print(json.dumps({"cases": [check_case(c) for c in cases], "plans": benchmark_plans()}))
+print(json.dumps({"cases": [check_case(c) for c in cases], "plans": benchmark_plans(),
+                  "backward": backward_plans()}))
 """
 
 
@@ -114,6 +116,21 @@ def test_benchmark_plans_are_unchanged(offline):
             assert p["plan"] == {"block_row": 16, "block_col": 64, "num_warps": 4, "num_stages": stages,
                                  "splits": splits, "prefetch_dot": False}, p
             assert p["backend"] == "triton" and p["kernel"]["stages"] == stages, p
+
+
+def test_attention_backward_kernels_fit_without_spilling(offline):
+    """The derived backward's kernels at the benchmark's shapes: D, dK+dV over queries, dQ over keys.
+    dK+dV carries two accumulators and computes two tiles per iteration (S and dP): planned wide in
+    keys and narrow in queries, it neither spills nor shrinks to tiles too small for the tensor
+    cores (it ran on 16 x 16 tiles when its dV product was a broadcast rather than a dot)."""
+    for case in offline["backward"]:
+        kernels = {k["kernel"].rsplit("_", 1)[-1]: k for k in case["kernels"]}
+        assert set(kernels) == {"k0", "k1", "k2"}, case
+        for kernel in kernels.values():
+            assert kernel["shared"] <= H200_SHARED_BYTES, kernel
+            assert kernel["spill_bytes"] <= SPILL_LIMIT_BYTES, kernel
+        assert kernels["k1"]["blocks"]["BLOCK_R"] >= 64 and kernels["k1"]["blocks"]["BLOCK_C"] >= 32, case
+        assert kernels["k2"]["blocks"]["BLOCK_R"] >= 64 and kernels["k2"]["blocks"]["BLOCK_C"] >= 32, case
 
 
 # --------------------------------------------------------------------------- the footprint model
@@ -207,3 +224,32 @@ def test_fit_stops_at_the_smallest_plan():
     plan = fit(Plan(64, 64, 4, 2, 1), lambda p: (10**9, 0), HOPPER_SHARED_BYTES, HOPPER_REGISTERS)
     assert plan == Plan(16, 16, 4, 1, 1)
 
+
+
+def test_fit_narrows_a_loop_of_two_work_tiles_before_it_gives_up_rows():
+    """A loop computing two tiles per iteration (a backward's S and dP): registers grow with rows x
+    loop width three times over and with rows alone for the accumulators; a narrower loop tile fits
+    first and keeps the rows (each loaded tile reused by all of them)."""
+    def usage(p: Plan) -> tuple[int, int]:
+        carried, work = p.block_row * 256, 3 * p.block_row * p.block_col
+        return 0, (carried + work) // (32 * p.num_warps) + 40
+    plan = Plan(128, 128, 8, 2, 1)
+    assert fit(plan, usage, HOPPER_SHARED_BYTES, HOPPER_REGISTERS) == Plan(64, 128, 8, 2, 1)
+    assert fit(plan, usage, HOPPER_SHARED_BYTES, HOPPER_REGISTERS, narrow_first=True) == Plan(128, 32, 8, 2, 1)
+
+
+def test_registers_count_one_work_tile_per_dot_along_the_loop_and_one_more():
+    i32 = lambda n: TVal(n, (), "i32")  # noqa: E731
+    k, q = TVal("k", ("r", "d"), "f16"), TVal("q", ("c", "d"), "f16")
+    v, g = TVal("v", ("r", "e"), "f16"), TVal("g", ("c", "e"), "f16")
+    s, dp = TVal("s", ("r", "c"), "f32"), TVal("dp", ("r", "c"), "f32")
+    body = [Op(TVal("cols", ("c",), "i32"), "arange", (i32("j"),), {"block": "BC"}),
+            Op(q, "load", (), {"buffer": "q"}), Op(g, "load", (), {"buffer": "g"}),
+            Op(s, "dot", (k, q), {"k": "d"}), Op(dp, "dot", (v, g), {"k": "e"})]
+    blocks = {"BR": 128, "BC": 32, "BD": 128, "BE": 128}
+    kernel = TileKernel("bwd", [], ("r", "c", "d", "e"), {"r": "BR", "c": "BC", "d": "BD", "e": "BE"}, [],
+                        [Op(k, "load", (), {"buffer": "k"}), Op(v, "load", (), {"buffer": "v"}),
+                         Loop(i32("j"), i32("lo"), i32("hi"), "BC", body)], 8, 2, blocks)
+    assert register_estimate(kernel) == 3 * 128 * 32 // 256 + 40
+    assert narrow_loops_first(kernel)
+    assert not narrow_loops_first(_attention_kernel(128, 128, 128, 3, 8))

@@ -491,3 +491,37 @@ def test_chain_length_three(randn):
     assert_same(prog, fused, args, blocks=BLOCKS)
     for splits in SPLITS:
         assert_same(prog, split_k_update(fused, chain.axis, splits), args, blocks=(1, 2))
+
+
+def test_hoist_opens_a_row_guard_around_inputs_values(randn):
+    """`where(norm == 0, 0, g / norm)` inside a sum over e (a backward's dP for rows the forward left
+    empty): the guard and 1 / norm leave the sum, g (an input) stays, and rows with norm == 0 stay 0."""
+    g, v = randn(4, 3), randn(5, 3)
+    norm = torch.tensor([0.0, 2.0, 0.5, 0.0])
+
+    @nf.program
+    def f(g, v, norm):
+        return nf.einsum("ie,je->ij", nf.where(norm[:, None] == 0, 0.0, g / norm[:, None]), v)
+
+    args = dict(g=g, v=v, norm=norm)
+    prog = inline_elementwise(f.trace(**args))
+    hoisted = hoist_invariant_factors(prog)
+    assert [st.name for st in hoisted.stages] == ["dot0_acc", "dot0"]
+    assert format_expr(hoisted.stage("dot0_acc").body) == "sum[e](g[i, e] * v[j, e])"
+    assert "where" in format_expr(hoisted.stage("dot0").body)
+    assert_same(prog, hoisted, args)
+    assert nf.run_reference(hoisted, args)[[0, 3]].eq(0).all()
+
+
+def test_hoist_keeps_a_guard_around_computed_values(randn):
+    """exp(x) may overflow where the guard holds: 0 * inf would be NaN, so the guard stays whole."""
+    x, v = randn(4, 3), randn(5, 3)
+    norm = torch.tensor([0.0, 2.0, 0.5, 0.0])
+
+    @nf.program
+    def f(x, v, norm):
+        return nf.einsum("ie,je->ij", nf.where(norm[:, None] == 0, 0.0, nf.exp(x) / norm[:, None]), v)
+
+    args = dict(x=x, v=v, norm=norm)
+    prog = inline_elementwise(f.trace(**args))
+    assert hoist_invariant_factors(prog).stages == prog.stages

@@ -155,9 +155,9 @@ def _is_integer(expr: Expr, int_params: set[str]) -> bool:
     return not loads_of(expr)
 
 
-def _conjuncts(cond: Expr) -> list[Expr]:
+def conjuncts(cond: Expr) -> list[Expr]:
     if isinstance(cond, Binary) and cond.op == "and":
-        return _conjuncts(cond.a) + _conjuncts(cond.b)
+        return conjuncts(cond.a) + conjuncts(cond.b)
     return [cond]
 
 
@@ -170,7 +170,7 @@ def _disjuncts(cond: Expr) -> list[Expr]:
 _NEGATED = {"lt": "ge", "ge": "lt", "le": "gt", "gt": "le", "eq": "ne", "ne": "eq"}
 
 
-def _push_not(cond: Expr) -> Expr:
+def push_not(cond: Expr) -> Expr:
     """~(a < b) -> a >= b, ~(x & y) -> ~x | ~y, ... so masks written with ~ stay affine."""
     if isinstance(cond, Unary) and cond.op == "not":
         x = cond.x
@@ -178,11 +178,11 @@ def _push_not(cond: Expr) -> Expr:
             return Binary(_NEGATED[x.op], x.a, x.b)
         if isinstance(x, Binary) and x.op in ("and", "or"):
             other = "or" if x.op == "and" else "and"
-            return Binary(other, _push_not(Unary("not", x.a)), _push_not(Unary("not", x.b)))
+            return Binary(other, push_not(Unary("not", x.a)), push_not(Unary("not", x.b)))
         if isinstance(x, Unary) and x.op == "not":
-            return _push_not(x.x)
+            return push_not(x.x)
     if isinstance(cond, Binary) and cond.op in ("and", "or"):
-        return Binary(cond.op, _push_not(cond.a), _push_not(cond.b))
+        return Binary(cond.op, push_not(cond.a), push_not(cond.b))
     return cond
 
 
@@ -253,11 +253,11 @@ def analyze_masks(loop: FusedLoop, row: str, int_params: set[str] | None, vanish
         if not ok:
             continue
         (w, visible), others = nodes[0], tuple(nodes[1:])
-        cond = _push_not(cond)
+        cond = push_not(cond)
         constraints: list[Constraint] = []
         union: tuple[tuple[Constraint, ...], ...] = ()
         residual: list[Expr] = []
-        for conj in _conjuncts(cond):
+        for conj in conjuncts(cond):
             cs = _constraints_of(conj, row, col, int_params)
             if cs is not None:
                 constraints.extend(cs)
@@ -297,7 +297,7 @@ def _union_of(cond: Expr, row: str, col: str, int_params: set[str]) -> tuple[tup
     boxes = []
     for part in parts:
         box: list[Constraint] = []
-        for conj in _conjuncts(part):
+        for conj in conjuncts(part):
             cs = _constraints_of(conj, row, col, int_params)
             if cs is None:
                 return None

@@ -31,6 +31,7 @@ from neptune_fusion.codegen.triton_source import _FLOAT_BINARY, _NAN_COMBINE_CUD
 from neptune_fusion.codegen.triton_source import _PREAMBLE as _PREAMBLE_TRITON
 from neptune_fusion.codegen.triton_source import _UNARY as _UNARY_TRITON
 from neptune_fusion.tile.ir import Assign, If, Loop, Op, Stmt, Store, TileKernel, TVal
+from neptune_fusion.tile.resources import HOPPER_REGISTERS, footprint
 
 ROW_BLOCK = 128  # two consumer warpgroups of 64 rows each
 NUM_BUFFERS = 2  # ring slots (a third adds shared memory and no speed)
@@ -194,6 +195,12 @@ def _analyse(kernel: TileKernel) -> _Shape:
     todo.extend(ld.args[1].name for ld in row_loads)
     todo.extend(a.name for ops in coordinates.values() for op in ops for a in op.args)
     loader_ops = _scalar_closure(todo, kernel.body, "a loop bound or descriptor argument")
+    # each consumer warpgroup holds half the rows' carried state and work tiles; the Triton backend
+    # can plan narrower tiles for a loop that carries more than a consumer's registers hold
+    consumer = footprint(kernel).registers({**kernel.constexprs, "BLOCK_R": ROW_BLOCK // 2}, 4)
+    if consumer > HOPPER_REGISTERS:
+        raise _Unsupported(f"a consumer warpgroup would need about {consumer} registers a thread "
+                           f"(at most {HOPPER_REGISTERS})")
     return _Shape(row, col, defs, row_loads, rings, loader_ops, coordinates, desc_dtypes, pairs)
 
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from neptune_fusion.analysis.masks import MaskInfo
+from neptune_fusion.analysis.masks import MaskInfo, conjuncts, push_not
 from neptune_fusion.ir.expr import Binary, Expr, Unary, free_axes, loads_of, walk
 from neptune_fusion.ir.program import Program
 from neptune_fusion.runtime.reference import _Evaluator
@@ -104,10 +104,9 @@ def block_map(program: Program, masks: MaskInfo, roles: AxisRoles, sizes: dict[s
     # inside a CUDA graph capture the map is built, never fetched: a replay runs no host code, so only
     # a map whose build is part of the graph follows new values written into the mask's tensors
     capturing = _capturing() or CALL_STATE.private  # (private_state: nothing may outlive the call)
-    hit = None if capturing else _CACHE.get(key)
-    if hit is not None and all(ref() is t for ref, t in zip(hit[0], tensors)):
-        _CACHE.move_to_end(key)
-        return hit[1]
+    hit = None if capturing else _fetch(key, tensors)
+    if hit is not None:
+        return hit
     builds += 1
     device = next(t.device for t in args.values() if isinstance(t, torch.Tensor))
     axes = block_map_axes(masks, roles)
@@ -117,21 +116,35 @@ def block_map(program: Program, masks: MaskInfo, roles: AxisRoles, sizes: dict[s
     ev = _Evaluator(sizes, buffers, {p: args[p] for p in program.params}, torch.float32, device)
     frame = [*axes, roles.row, roles.col]
     batch_shape = [sizes[a] for a in axes]
-    any_vis = torch.zeros(*batch_shape, n_rt, n_ct, dtype=torch.bool, device=device)
-    all_vis = torch.zeros_like(any_vis)
-    chunk = max(1, (1 << 24) // max(1, cols * max(1, math.prod(batch_shape)))) * block_row
-    for lo in range(0, rows, chunk):
-        hi = min(rows, lo + chunk)
-        ev.ranges[roles.row] = torch.arange(lo, hi, device=device)
-        vis = ev.eval(cond, frame).bool()
-        vis = vis.expand(*batch_shape, hi - lo, cols)
-        pad_r = math.ceil((hi - lo) / block_row) * block_row - (hi - lo)
-        pad_c = n_ct * block_col - cols
-        padded = torch.nn.functional.pad(vis, (0, pad_c, 0, pad_r), value=False)
-        tiles = padded.reshape(*batch_shape, -1, block_row, n_ct, block_col)
-        t0 = lo // block_row
-        any_vis[..., t0:t0 + tiles.shape[-4], :] = tiles.any(dim=-1).any(dim=-2)
-        all_vis[..., t0:t0 + tiles.shape[-4], :] = tiles.all(dim=-1).all(dim=-2)
+    any_vis = torch.ones(*batch_shape, n_rt, n_ct, dtype=torch.bool, device=device)
+    all_vis = torch.ones_like(any_vis)
+    # conjuncts of one of the two axes (a padding mask, rows the forward left empty) are evaluated
+    # on that axis alone: all() of a conjunction is the conjunction of the all()s, and the
+    # conjunction of the any()s over-approximates any(), which only makes a tile partly visible
+    # (visited, with the mask arithmetic) where it may hold nothing
+    dense: Expr | None = None
+    for part in conjuncts(push_not(cond)):
+        if {roles.row, roles.col} <= free_axes(part):
+            dense = part if dense is None else Binary("and", dense, part)
+            continue
+        vis = ev.eval(part, frame).bool()
+        vis = vis.reshape((1,) * (len(frame) - vis.dim()) + tuple(vis.shape))
+        any_part, all_part = _tiles(vis, block_row, block_col, n_rt, n_ct)
+        any_vis &= any_part
+        all_vis &= all_part
+    if dense is not None:
+        # the part over both axes (the mask proper) is kept apart: the one-axis parts may read what
+        # changes every call (a backward pass's saved statistics) while the mask stays
+        dense_reads = tuple(n for n in reads if n in loads_of(dense))
+        dense_key = (key[0], "dense", tuple(_tensor_key(args[n]) for n in dense_reads), key[2])
+        dense_tensors = tuple(args[n] for n in dense_reads)
+        found = None if capturing else _fetch(dense_key, dense_tensors)
+        if found is None:
+            found = _dense_tiles(ev, dense, frame, roles, sizes, axes, block_row, block_col, n_rt, n_ct)
+            if not capturing:
+                _store(dense_key, dense_tensors, found)
+        any_vis &= found[0]
+        all_vis &= found[1]
     partial = any_vis & ~all_vis
     out: dict[str, torch.Tensor] = {}
     for kind, sel in (("full", all_vis), ("partial", partial)):
@@ -140,11 +153,64 @@ def block_map(program: Program, masks: MaskInfo, roles: AxisRoles, sizes: dict[s
         out[f"{BLOCK_MAP_PREFIX}{kind}_index"] = order.contiguous()
     if capturing:
         return out
-    _CACHE[key] = (tuple(weakref.ref(t) for t in tensors), out)
+    _store(key, tensors, out)
+    return out
+
+
+def _fetch(key: tuple[Any, ...], tensors: tuple[torch.Tensor, ...]) -> Any:
+    """The cached value of `key`, if the tensors it was built from are these very objects."""
+    hit = _CACHE.get(key)
+    if hit is None or not all(ref() is t for ref, t in zip(hit[0], tensors)):
+        return None
+    _CACHE.move_to_end(key)
+    return hit[1]
+
+
+def _store(key: tuple[Any, ...], tensors: tuple[torch.Tensor, ...], value: Any) -> None:
+    _CACHE[key] = (tuple(weakref.ref(t) for t in tensors), value)
     _CACHE.move_to_end(key)
     while len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)
-    return out
+
+
+def _dense_tiles(ev: _Evaluator, dense: Expr, frame: list[str], roles: AxisRoles, sizes: dict[str, int],
+                 axes: tuple[str, ...], block_row: int, block_col: int, n_rt: int, n_ct: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(any, all) per tile of a condition over both axes, evaluated a chunk of row tiles at a time
+    (about 16M elements each), so the map of a long sequence never holds its query x key grid."""
+    rows, cols = sizes[roles.row], sizes[roles.col]
+    used = [a for a in axes if a in free_axes(dense)]
+    shape = [sizes[a] if a in used else 1 for a in axes]
+    any_vis = torch.zeros(*shape, n_rt, n_ct, dtype=torch.bool, device=ev.device)
+    all_vis = torch.zeros_like(any_vis)
+    chunk = max(1, (1 << 24) // max(1, cols * math.prod(shape)) // block_row) * block_row
+    for lo in range(0, rows, chunk):
+        hi = min(rows, lo + chunk)
+        ev.ranges[roles.row] = torch.arange(lo, hi, device=ev.device)
+        vis = ev.eval(dense, frame).bool()
+        vis = vis.reshape((1,) * (len(frame) - vis.dim()) + tuple(vis.shape))
+        any_part, all_part = _tiles(vis, block_row, block_col, math.ceil((hi - lo) / block_row), n_ct)
+        t0 = lo // block_row
+        any_vis[..., t0:t0 + any_part.shape[-2], :] = any_part
+        all_vis[..., t0:t0 + all_part.shape[-2], :] = all_part
+    ev.ranges.pop(roles.row, None)
+    return any_vis, all_vis
+
+
+def _tiles(vis: torch.Tensor, block_row: int, block_col: int, n_rt: int, n_ct: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(any, all) of `vis` per (row tile, column tile). Its last two dims are the rows and the
+    columns, each of the full extent or 1 (a condition that does not depend on that axis: the
+    result keeps the 1). Positions past the ends count as invisible."""
+    any_v = all_v = vis
+    if vis.shape[-2] != 1:
+        pad = (0, 0, 0, n_rt * block_row - vis.shape[-2])
+        any_v, all_v = (op(torch.nn.functional.pad(t, pad, value=False).unflatten(-2, (n_rt, block_row)), dim=-2)
+                        for op, t in ((torch.any, any_v), (torch.all, all_v)))
+    if vis.shape[-1] != 1:
+        pad = (0, n_ct * block_col - vis.shape[-1])
+        any_v, all_v = (op(torch.nn.functional.pad(t, pad, value=False).unflatten(-1, (n_ct, block_col)), dim=-1)
+                        for op, t in ((torch.any, any_v), (torch.all, all_v)))
+    return any_v, all_v
 
 
 __all__ = ["block_map", "block_map_axes", "visibility"]

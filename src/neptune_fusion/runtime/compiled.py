@@ -57,7 +57,7 @@ from neptune_fusion.tile.lower import (
     lower,
 )
 from neptune_fusion.tile.pipeline import prefetch_first_dot, prefetch_scalar_loads
-from neptune_fusion.tile.resources import HOPPER_REGISTERS, HOPPER_SHARED_BYTES, plan_usage
+from neptune_fusion.tile.resources import HOPPER_REGISTERS, HOPPER_SHARED_BYTES, narrow_loops_first, plan_usage
 from neptune_fusion.transform.layout import group_divisor, pack_groups
 
 FLOAT_TORCH = (torch.float16, torch.bfloat16, torch.float32)
@@ -658,7 +658,7 @@ class Compiled:
                 usage = plan_usage(tile, lambda p: choose_tiling(fused, full_sizes, p.block_row, p.block_col,
                                                                  4 if main_dtype == "f32" else 2, p.num_stages,
                                                                  p.num_warps))
-                fitted = fit(plan, usage, *_device_limits(device))
+                fitted = fit(plan, usage, *_device_limits(device), narrow_first=narrow_loops_first(tile))
                 if fitted != plan:
                     exe = self.executable_for(program, args, fitted)
                     self._cache[key] = exe

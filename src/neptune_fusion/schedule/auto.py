@@ -141,7 +141,8 @@ def candidates(plan: Plan, *, rows: int, cols: int, interpreter: bool, limit: in
     return out[:limit]
 
 
-def fit(plan: Plan, usage: Callable[[Plan], tuple[int, int]], shared_bytes: int, registers: int) -> Plan:
+def fit(plan: Plan, usage: Callable[[Plan], tuple[int, int]], shared_bytes: int, registers: int, *,
+        narrow_first: bool = False) -> Plan:
     """`plan`, shrunk until its kernel fits the device: `usage(plan)` is (bytes of shared memory,
     registers per thread) of the kernel that plan gives, `shared_bytes` and `registers` what one
     program may have. The plan is returned unchanged when it fits.
@@ -150,7 +151,9 @@ def fit(plan: Plan, usage: Callable[[Plan], tuple[int, int]], shared_bytes: int,
     single stage, then fewer rows, then the narrowest loop tiles. A loop of two stages keeps one
     tile's copy in flight while the dots run; one stage serialises them, so a narrower tile is
     given up first. Registers: more warps (up to eight) spread the same tile over more threads,
-    then fewer rows (the accumulators shrink with them), then narrower loop tiles. Where nothing
+    then fewer rows (the accumulators shrink with them), then narrower loop tiles; with
+    `narrow_first`, narrower loop tiles (down to 32) come before fewer rows when they alone make
+    the plan fit (a loop whose per-iteration tiles outweigh what it carries). Where nothing
     shrinks any more the smallest plan is returned: the device's compiler reports what still does
     not fit when it loads the kernel.
 
@@ -176,8 +179,11 @@ def fit(plan: Plan, usage: Callable[[Plan], tuple[int, int]], shared_bytes: int,
             else:
                 return plan
         elif regs > registers:
+            narrowed = _narrowed_to_fit(plan, usage, registers) if narrow_first else None
             if plan.num_warps < 8:
                 smaller = replace(plan, num_warps=plan.num_warps * 2)
+            elif narrowed is not None:
+                smaller = narrowed
             elif plan.block_row > 16:
                 smaller = replace(plan, block_row=plan.block_row // 2)
             elif plan.block_col > 16:
@@ -187,3 +193,13 @@ def fit(plan: Plan, usage: Callable[[Plan], tuple[int, int]], shared_bytes: int,
         else:
             return plan
         plan = smaller
+
+
+def _narrowed_to_fit(plan: Plan, usage: Callable[[Plan], tuple[int, int]], registers: int) -> Plan | None:
+    """The widest loop tile (at least 32) with which `plan` fits the registers, if any."""
+    narrower = plan
+    while narrower.block_col > 32:
+        narrower = replace(narrower, block_col=narrower.block_col // 2)
+        if usage(narrower)[1] <= registers:
+            return narrower
+    return None

@@ -24,10 +24,12 @@ Shared memory (bytes), an upper bound of what Triton 3.6 allocates for sm_90:
 - `SLACK_BYTES` for mbarriers and cross-warp reduction scratch.
 
 Registers (32-bit, per thread), a conservative count, not ptxas's: the fp32 values the loop carries
-(accumulators, running statistics) plus twice the largest tile computed per iteration (a score
-tile and the probabilities made from it are live together), spread over the program's threads,
-plus `ADDRESS_REGISTERS` for pointers, offsets and masks. Above 255 ptxas spills to local memory:
-a 128 x 256 fp32 accumulator over 4 warps is 256 values a thread on its own.
+(accumulators, running statistics) plus the largest tile computed per iteration, once for each
+dot that computes such a tile and once more (a score tile and the probabilities made from it are
+live together; a loop with a second such dot, a backward pass's dP beside its scores, holds both
+and what is made from them), spread over the program's threads, plus `ADDRESS_REGISTERS` for
+pointers, offsets and masks. Above 255 ptxas spills to local memory: a 128 x 256 fp32 accumulator
+over 4 warps is 256 values a thread on its own.
 
 Example:
     >>> from neptune_fusion.tile.ir import Loop, Op, TileKernel, TVal
@@ -114,6 +116,7 @@ class LoopUse:
     inner: tuple[LoopUse, ...]
     carried: tuple[Tile, ...]
     work: Tile | None
+    work_copies: int = 2  # work tiles live at once: one per dot computing one, and one more
 
     def shared_bytes(self, c: Mapping[str, int], stages: int, warps: int) -> int:
         wgmma = [d.on_wgmma(c, warps) for d in self.dots]
@@ -138,9 +141,9 @@ class LoopUse:
         return own + convert + reduce + inner
 
     def register_values(self, c: Mapping[str, int]) -> int:
-        """fp32 values live at once in this loop's body: carried state, twice the work tile, and
-        what its nested loops hold on top."""
-        work = 2 * self.work.elements(c) if self.work is not None else 0
+        """fp32 values live at once in this loop's body: carried state, the work tiles, and what
+        its nested loops hold on top."""
+        work = self.work_copies * self.work.elements(c) if self.work is not None else 0
         own = sum(t.elements(c) for t in self.carried)
         return own + max(work, max((loop.register_values(c) for loop in self.inner), default=0))
 
@@ -244,6 +247,7 @@ def footprint(kernel: TileKernel) -> Footprint:
         work = [op.out for op in ops if op.kind not in ("load", "desc_load") and op.out.dtype in _FLOATS
                 and row in op.out.axes and set(op.out.axes) & axes]
         largest = max(work, key=elements, default=None)
+        work_dots = sum(1 for d in ops if d.kind == "dot" and row in d.out.axes and set(d.out.axes) & axes)
         return LoopUse(
             tuple((tile(op.out), ahead) for op, ahead in loads if id(op) in dot_operands),
             tuple((tile(op.out), ahead) for op, ahead in loads if id(op) not in dot_operands),
@@ -251,7 +255,7 @@ def footprint(kernel: TileKernel) -> Footprint:
             tuple(tile(op.out, 4) for op in ops if op.kind == "reduce" and op.out.axes),
             tuple(loop_use(st) for st in body if isinstance(st, Loop)),
             tuple(tile(st.target, 4) for st in body if isinstance(st, Assign) and st.target.axes),
-            tile(largest, 4) if largest is not None else None)
+            tile(largest, 4) if largest is not None else None, max(2, 1 + work_dots))
 
     top = [st for st in _walk(kernel.body) if isinstance(st, Op)]
     read_in_loops = {id(op) for d in loop_dots for op in loaded_operands(d)}
@@ -278,6 +282,13 @@ def shared_memory_estimate(kernel: TileKernel) -> int:
 def register_estimate(kernel: TileKernel) -> int:
     """32-bit registers per thread the kernel as it stands needs (see the module docstring)."""
     return footprint(kernel).registers(kernel.constexprs, kernel.num_warps)
+
+
+def narrow_loops_first(kernel: TileKernel) -> bool:
+    """Whether a loop of `kernel` computes more than one work tile per iteration (two dots along the
+    loop's axis): its work tiles, not its carried state, fill the registers, so narrower loop
+    tiles relieve them without giving up the reuse of each loaded tile across many rows."""
+    return any(loop.work_copies > 2 for loop in footprint(kernel).loops)
 
 
 def plan_usage(kernel: TileKernel, tiling_of: Callable[[Plan], AxisTiling]) -> Callable[[Plan], tuple[int, int]]:

@@ -220,7 +220,12 @@ class _Reverse:
                 contribution = simplify(_times(upstream, d))
             elif self.plain(d):  # guard the adjoint alone: the product stays a contraction (a dot)
                 contribution = simplify(_times(Where(zero, Const(0.0), upstream), d))
-            else:  # the partial may hold what the forward discarded (0 / 0): guard the product
+            elif free_axes(zero) <= free_axes(d):
+                # the partial may hold what the forward discarded (0 / 0). The adjoint is exactly 0
+                # where `zero` holds, so guarding the partial alone is the same as guarding the
+                # product, and the guard keeps the partial's axes: the product stays a dot
+                contribution = simplify(_times(upstream, Where(zero, Const(0.0), d)))
+            else:  # the condition has axes the partial lacks: guard the product
                 contribution = Where(zero, Const(0.0), simplify(_times(upstream, d)))
             self.contribute(stage, load, contribution, frame)
 

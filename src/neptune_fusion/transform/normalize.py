@@ -18,7 +18,9 @@ Example:
 
 from __future__ import annotations
 
-from neptune_fusion.ir.expr import Binary, Const, Expr, Index, Load, Reduce, free_axes
+import math
+
+from neptune_fusion.ir.expr import Binary, Const, Expr, Index, Load, Reduce, Where, free_axes
 from neptune_fusion.ir.program import Node, Program, Stage
 
 
@@ -46,6 +48,36 @@ def _depends_on(expr: Expr, axis: str, program: Program) -> bool:
     return axis in free_axes(expr)
 
 
+def _input_value(expr: Expr, program: Program) -> bool:
+    """An input's element or a finite constant: finite wherever the inputs are."""
+    if isinstance(expr, Const):
+        return not isinstance(expr.value, float) or math.isfinite(expr.value)
+    return isinstance(expr, Load) and expr.buffer in {b.name for b in program.inputs}
+
+
+def _open_guards(factors: list[tuple[Expr, bool]], axis: str, program: Program) -> list[tuple[Expr, bool]]:
+    """`where(c, 0, x * f)` with c and f independent of `axis` -> `x * where(c, 0, f)`, where the
+    factors x that depend on `axis` are inputs' values: finite, so 0 * x is still 0 where c holds
+    (a guard that zeroes rows the forward left empty keeps its value, and its factor leaves the sum)."""
+    out: list[tuple[Expr, bool]] = []
+    for f, inv in factors:
+        zero_first = isinstance(f, Where) and isinstance(f.a, Const) and f.a.value == 0
+        zero_second = isinstance(f, Where) and isinstance(f.b, Const) and f.b.value == 0
+        if inv or not (zero_first or zero_second) or _depends_on(f.cond, axis, program):  # type: ignore[union-attr]
+            out.append((f, inv))
+            continue
+        assert isinstance(f, Where)
+        guarded = _factors(f.b if zero_first else f.a)
+        inner = [(g, i) for g, i in guarded if _depends_on(g, axis, program)]
+        outer = [(g, i) for g, i in guarded if not _depends_on(g, axis, program)]
+        if not inner or not outer or not all(not i and _input_value(g, program) for g, i in inner):
+            out.append((f, inv))
+            continue
+        rest = _product(outer)
+        out += [*inner, (Where(f.cond, f.a, rest) if zero_first else Where(f.cond, rest, f.b), False)]
+    return out
+
+
 def hoist_invariant_factors(program: Program) -> Program:
     """Move factors that do not depend on the reduce axis out of every sum reduction."""
     stages: list[Node] = []
@@ -54,7 +86,7 @@ def hoist_invariant_factors(program: Program) -> Program:
             stages.append(node)
             continue
         red = node.body
-        factors = _factors(red.body)
+        factors = _open_guards(_factors(red.body), red.axis, program)
         inner = [(f, inv) for f, inv in factors if _depends_on(f, red.axis, program)]
         outer = [(f, inv) for f, inv in factors if not _depends_on(f, red.axis, program)]
         # Only worth it when a factor actually reads something (not a bare constant).
