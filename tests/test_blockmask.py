@@ -317,3 +317,22 @@ def test_matches_compiled_flex_attention() -> None:
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(expected, flex_reference(q, k, v, expected_keep(bm, 2, 2, 200, 136)),
                                atol=1e-4, rtol=1e-4)
+
+
+def test_a_block_mask_is_densified_once_and_again_when_its_lists_change() -> None:
+    """The tables of one BlockMask are the same tensors on every call, so the block map built from
+    them is found in its cache (not rebuilt per call, forward or backward); lists edited in place
+    are densified again and honoured."""
+    import neptune_fusion.runtime.blockmap as blockmap
+
+    bm = kv_blocks_mask(1, 1, 4, 5, (64, 32), (200, 136), causal, seed=3)
+    q, k, v = qkv(2, 2, 200, 136, 16, seed=2)
+    before = blockmap.builds
+    for _ in range(3):
+        out = nf.attention(q, k, v, block_mask=bm)
+    assert blockmap.builds == before + 1
+    torch.testing.assert_close(out, flex_reference(q, k, v, expected_keep(bm, 2, 2, 200, 136)), atol=1e-4, rtol=1e-4)
+    bm.kv_num_blocks[0, 0, 0] = 0  # the first query block now sees nothing
+    out = nf.attention(q, k, v, block_mask=bm)
+    assert blockmap.builds == before + 2
+    torch.testing.assert_close(out, flex_reference(q, k, v, expected_keep(bm, 2, 2, 200, 136)), atol=1e-4, rtol=1e-4)

@@ -858,13 +858,40 @@ def mask_arguments(block_mask: Any, mask_mod: Any, q: torch.Tensor) -> tuple[Any
     return block_mask, None
 
 
+# a BlockMask's dense tables, by the mask and the call's sizes: the same tables on every call, so the
+# block maps built from them are found in their cache (keyed by the tensors they read) instead of
+# rebuilt per call, in the forward and in each backward kernel
+_TABLES: OrderedDict[tuple[Any, ...], tuple[weakref.ref[Any], Any]] = OrderedDict()
+_TABLES_SIZE = 32
+
+
+def _tables_of(block_mask: Any, batch: int, heads: int, q_len: int, kv_len: int) -> Any:
+    """`block_tables(...)`, cached per BlockMask object and the versions of its block lists (not
+    while tracing or capturing a CUDA graph: there the densification is part of what is recorded)."""
+    if torch.compiler.is_compiling() or CALL_STATE.private or in_cudagraph_tree():
+        return block_tables(block_mask, batch, heads, q_len, kv_len)
+    lists = (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
+             block_mask.full_kv_indices)
+    key = (id(block_mask), id(block_mask.mask_mod), tuple(block_mask.BLOCK_SIZE), batch, heads, q_len, kv_len,
+           tuple(None if t is None else (t.data_ptr(), t._version, tuple(t.shape), t.stride()) for t in lists))
+    hit = _TABLES.get(key)
+    if hit is not None and hit[0]() is block_mask:
+        _TABLES.move_to_end(key)
+        return hit[1]
+    tables = block_tables(block_mask, batch, heads, q_len, kv_len)
+    _TABLES[key] = (weakref.ref(block_mask), tables)
+    while len(_TABLES) > _TABLES_SIZE:
+        _TABLES.popitem(last=False)
+    return tables
+
+
 def _block_builtins(block_mask: Any, mask_mod: Any, q: torch.Tensor, k: torch.Tensor
                     ) -> tuple[Any, tuple[int, int, bool] | None, tuple[torch.Tensor, ...]]:
     """(the mask_mod to trace, the block-table builtin, the tables) of a call's mask arguments."""
     block_mask, mask_mod = mask_arguments(block_mask, mask_mod, q)
     if block_mask is None:
         return mask_mod, None, ()
-    tables = block_tables(block_mask, q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    tables = _tables_of(block_mask, q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     extras = (tables.partial,) if tables.full is None else (tables.partial, tables.full)
     return tables.mask_mod, (tables.q_block, tables.kv_block, tables.full is not None), extras
 
