@@ -344,14 +344,49 @@ def test_relative_position_table_gradient_in_kernels() -> None:
     assert_grads(got, want, tol=2e-4)
 
 
+def test_linear_cross_entropy_backward_over_a_long_hidden_axis_is_materialised_a_chunk_at_a_time(monkeypatch) -> None:
+    """Hidden size 600, over what a tile holds whole: dW's and dh's kernels would both contract the
+    hidden axis (the logits) and accumulate over it. The logits' gradient is materialised for a
+    chunk of the vocabulary at a time instead (here 128, 128 and 44 entries) and contracted with w
+    and h: dh sums over the chunks, dW is written a slice at a time. Gradients as torch's."""
+    from neptune_fusion.integrations.autograd import Chunked
+    from neptune_fusion.schedule import materialise
+
+    monkeypatch.setattr(materialise, "MIN_CHUNK_BYTES", 0)  # chunks of one tile (128 entries)
+    monkeypatch.setattr(materialise, "CHUNK_SHARE", 0.0)
+    torch.manual_seed(0)
+    h = torch.randn(8, 600, dtype=torch.float64)
+    w = torch.randn(300, 600, dtype=torch.float64) * 0.05
+    target = torch.randint(0, 300, (8,))
+    hl, wl = h.float().requires_grad_(), w.float().requires_grad_()
+    fn = nf.compile(linear_cross_entropy)
+    seed = torch.randn(8, dtype=torch.float64)
+    fn(hl, wl, target).backward(seed.float())
+    hr, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
+    torch.nn.functional.cross_entropy(hr @ wr.T, target, reduction="none").backward(seed)
+    assert_grads([hl.grad, wl.grad], [hr.grad, wr.grad], tol=1e-5)
+    (derived,) = fn.training.values()
+    (step,) = [f for _, f in derived.backward.steps]
+    assert isinstance(step, Chunked) and step.plan.axis == "v" and step.plan.shared == "grad_dot0"
+    assert materialise.chunk_length(step.plan, {"i": 8, "v": 300, "d": 600}, 4) == 128
+    # dh (summed over the vocabulary's chunks) is held in fp32 unless that outgrows the chunk's budget
+    assert materialise.accumulates_in_fp32(step.plan, {"i": 8, "v": 300, "d": 600}, 4)
+    assert not materialise.accumulates_in_fp32(step.plan, {"i": 8192, "v": 128256, "d": 4096}, 2)
+
+
 def test_a_backward_that_cannot_be_planned_raises_at_the_forward_call() -> None:
-    """Linear cross-entropy with a hidden size over what a tile holds whole: dW's loop would both
-    contract the hidden axis (the logits) and accumulate over it, which no kernel plan computes; the
-    forward call says so, naming the stage, before any step runs (and nothing is returned)."""
+    """The logits of h * h: dW's sum over tokens multiplies the logits' gradient by h twice, which
+    neither a kernel plan nor a chunked contraction computes; the forward call says so, naming both
+    conditions, before any step runs (and nothing is returned)."""
+    @nf.program
+    def squared_logsumexp(h, w):
+        s = nf.einsum("id,vd->iv", h * h, w)
+        m = s.max(axis=-1, keepdims=True)
+        return (m + nf.log(nf.exp(s - m).sum(axis=-1, keepdims=True)))[..., 0]
+
     h = torch.randn(8, 600, requires_grad=True)
     w = torch.randn(16, 600, requires_grad=True)
-    target = torch.randint(0, 16, (8,))
-    with pytest.raises(FusionError, match=r"\[tile planning\] stage 'grad_w_part'"):
-        nf.compile(linear_cross_entropy)(h, w, target)
+    with pytest.raises(FusionError, match=r"\[tile planning\] stage 'grad_w_part'.*materialising a chunk at a time fails"):
+        nf.compile(squared_logsumexp)(h, w)
     with torch.no_grad():  # forward-only, the same program compiles (its loop over the vocabulary K-loops)
-        assert nf.compile(linear_cross_entropy)(h, w, target).shape == (8,)
+        assert nf.compile(squared_logsumexp)(h, w).shape == (8,)

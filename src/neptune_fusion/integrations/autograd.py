@@ -33,6 +33,13 @@ from neptune_fusion.runtime import compiled as _compiled
 from neptune_fusion.runtime.compiled import Compiled, install_allocator, output_specs
 from neptune_fusion.runtime.reference import axis_extents, run_reference
 from neptune_fusion.runtime.state import in_cudagraph_tree, private_state
+from neptune_fusion.schedule.materialise import (
+    OFFSET_PARAM,
+    Materialised,
+    accumulates_in_fp32,
+    chunk_length,
+    materialise,
+)
 from neptune_fusion.schedule.partition import Group, partition_loops
 from neptune_fusion.schedule.templates import Auto
 from neptune_fusion.transform.grad import Gradient, differentiate, grad_name
@@ -53,13 +60,79 @@ class Unfused:
         return run_reference(self.program, named, out_dtype=dtype)
 
 
+class Chunked:
+    """Groups no kernel plan computes, run as `schedule/materialise.py` plans them: their shared
+    intermediate materialised a chunk at a time by one fused kernel, each reduction a contraction
+    of the chunk with an input (cuBLAS through `torch.einsum`)."""
+
+    def __init__(self, plan: Materialised, allow_fallback: bool) -> None:
+        self.plan = plan
+        self.producer = Compiled(FixedProgram(plan.producer), Auto(), allow_fallback)
+        self.results = plan.results
+        names = {b.name for b in plan.producer.inputs} | {c.operand for c in plan.contractions}
+        self.inputs = tuple(sorted(names))
+        self.params = tuple(p for p in plan.producer.params if p != OFFSET_PARAM)
+
+    def first_chunk(self, named: dict[str, Any]) -> dict[str, Any]:
+        """The producer's arguments for the first chunk (to plan its kernel before any call)."""
+        return self._chunk_args(named, 0, self._length(named, self._sizes(named)))
+
+    def _sizes(self, named: dict[str, Any]) -> dict[str, int]:
+        sizes: dict[str, int] = {}
+        for buf in self.plan.producer.inputs:
+            sizes.update((a, int(n)) for a, n in zip(buf.dims, named[buf.name].shape) if a is not None)
+        for c in self.plan.contractions:
+            sizes.update(zip(c.operand_axes, named[c.operand].shape))
+        return sizes
+
+    def _length(self, named: dict[str, Any], sizes: dict[str, int]) -> int:
+        return chunk_length(self.plan, sizes, named[self.plan.contractions[0].operand].element_size())
+
+    def _chunk_args(self, named: dict[str, Any], start: int, n: int) -> dict[str, Any]:
+        cut = dict(self.plan.sliced)
+        args = {b.name: named[b.name].narrow(cut[b.name], start, n) if b.name in cut else named[b.name]
+                for b in self.plan.producer.inputs}
+        args.update({p: named[p] for p in self.params})
+        args[OFFSET_PARAM] = start
+        return args
+
+    def __call__(self, **named: Any) -> tuple[torch.Tensor, ...]:
+        plan = self.plan
+        sizes = self._sizes(named)
+        length = self._length(named, sizes)
+        dtype = named[plan.contractions[0].operand].dtype
+        device = named[plan.contractions[0].operand].device
+        accumulator = torch.float32 if accumulates_in_fp32(plan, sizes, torch.empty((), dtype=dtype).element_size()) else dtype
+        outs: list[torch.Tensor] = []
+        for c, axes in zip(plan.contractions, plan.result_axes):
+            shape = [sizes[a] for a in axes]
+            outs.append(torch.zeros(shape, dtype=accumulator, device=device) if c.over_chunk
+                        else torch.empty(shape, dtype=dtype, device=device))
+        for start in range(0, sizes[plan.axis], length):
+            n = min(length, sizes[plan.axis] - start)
+            shared = call_in_graph(self.producer, (), self._chunk_args(named, start, n)).to(dtype)
+            for c, axes, out in zip(plan.contractions, plan.result_axes, outs):
+                operand = named[c.operand]
+                if plan.axis in c.operand_axes:
+                    operand = operand.narrow(c.operand_axes.index(plan.axis), start, n)
+                part = torch.einsum(c.spec, shared, operand)
+                part = part * c.scale if c.scale != 1.0 else part
+                if c.over_chunk:
+                    out += part
+                else:
+                    out.narrow(axes.index(plan.axis), start, n).copy_(part)
+        return tuple(out.to(dtype) for out in outs)
+
+
 class Kernels:
     """A program of several loops (a backward pass) as the kernels `partition_loops` cuts it into,
-    run in order; what one kernel materialises, the later ones read."""
+    run in order; what one kernel materialises, the later ones read. Groups whose kernels cannot be
+    planned run together as one `Chunked` step where `materialise` can plan them."""
 
     def __init__(self, program: Program, held: frozenset[str], allow_fallback: bool) -> None:
         self.program = program
-        self.steps: list[tuple[Group, Compiled | Unfused]] = []
+        self.allow_fallback = allow_fallback
+        self.steps: list[tuple[Group, Compiled | Unfused | Chunked]] = []
         for group in partition_loops(program, held):
             sub = group.program
             self.steps.append((group, Compiled(FixedProgram(sub), Auto(), allow_fallback) if chain_axis(sub)
@@ -70,27 +143,53 @@ class Kernels:
         backward that cannot be planned raises at the forward call, before a training step."""
         sizes = axis_extents(self.program, named)
         pool = dict(named)
-        for group, fn in self.steps:
+        failed: list[tuple[int, FusionError]] = []
+        for k, (group, fn) in enumerate(self.steps):
             args = _group_args(group, pool, named)
             if isinstance(fn, Compiled):
                 try:
                     fn.executable_for(group.program, args)
-                except FusionError:
-                    if not fn.allow_fallback:
-                        raise
+                except FusionError as exc:
+                    failed.append((k, exc))
             example = next(iter(named.values()))
             for name in group.results:
                 if not name.startswith("output:"):
                     shape = [sizes[a] for a in self.program.stage(name).axes]
                     pool[name] = torch.empty(shape, dtype=torch.float32, device=example.device)
+        if failed:
+            self._chunk([k for k, _ in failed], sizes, named, failed[0][1])
+
+    def _chunk(self, failed: list[int], sizes: dict[str, int], named: dict[str, Any], error: FusionError) -> None:
+        """Replace the groups that cannot be planned by one `Chunked` step, or raise `error`."""
+        groups = [self.steps[k][0] for k in failed]
+        later = {r for k, (g, _) in enumerate(self.steps) if k >= failed[0] for r in g.results}
+        try:
+            if any(b.name in later for g in groups for b in g.program.inputs):
+                raise FusionError("materialise", groups[0].results[0], "inputs",
+                                  "a group that cannot be planned reads what a later group computes")
+            plan = materialise(groups, sizes)
+            chunked = Chunked(plan, self.allow_fallback)
+            chunked.producer.executable_for(plan.producer, chunked.first_chunk(named))
+        except FusionError as why:
+            if self.allow_fallback:
+                return
+            raise FusionError(error.pass_name, error.stage, error.reduction,
+                              f"{error.condition}; materialising a chunk at a time fails too: {why}") from error
+        merged = Group(groups[0].program, plan.results)
+        steps = [step for k, step in enumerate(self.steps) if k not in failed]
+        steps.insert(failed[0], (merged, chunked))
+        self.steps = steps
 
     def __call__(self, **named: Any) -> tuple[torch.Tensor, ...]:
         install_allocator()  # Triton's allocator is per thread, and autograd runs backward passes in its own
         pool = dict(named)
         outs: list[torch.Tensor | None] = [None] * len(self.program.outputs)
         for group, fn in self.steps:
-            args = _group_args(group, pool, named)
-            result = call_in_graph(fn, (), args) if isinstance(fn, Compiled) else fn(**args)
+            if isinstance(fn, Chunked):
+                result: Any = fn(**{n: pool[n] for n in (*fn.inputs, *fn.params)})
+            else:
+                args = _group_args(group, pool, named)
+                result = call_in_graph(fn, (), args) if isinstance(fn, Compiled) else fn(**args)
             for name, value in zip(group.results, result if isinstance(result, tuple) else (result,)):
                 if name.startswith("output:"):
                     outs[int(name.split(":")[1])] = value

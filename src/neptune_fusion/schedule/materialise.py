@@ -1,0 +1,251 @@
+"""Materialising a shared intermediate a chunk at a time: a schedule for reductions that no single
+kernel computes (Programs -> a typed plan).
+
+Linear cross-entropy's backward has two reductions, dh[i, d] = sum_v G[i, v] w[v, d] and
+dW[v, d] = sum_i G[i, v] h[i, d], of one intermediate G (the logits' gradient) whose logits contract
+the hidden axis d. Each would recompute the logits (a contraction over d) while accumulating a
+tile that holds all of d: no grid tiling or inner loop computes that in one kernel. Here G is
+materialised instead, for a chunk of one of its axes at a time, by one fused kernel (the
+contraction and its epilogue, the chunk's offset a parameter), and each reduction becomes a plain
+contraction of the chunk with an input, which cuBLAS does best (`torch.einsum`). A reduction over
+the chunked axis adds its chunk's part to an fp32 accumulator; the others write their slice. The
+chunked axis is the one whose accumulated results are smallest; the chunk is as long as the memory
+budget allows (`chunk_length`).
+
+Example:
+    >>> import torch
+    >>> from neptune_fusion.library import linear_cross_entropy
+    >>> from neptune_fusion.schedule.partition import partition_loops
+    >>> from neptune_fusion.transform.grad import differentiate
+    >>> h, w, t = torch.randn(8, 600), torch.randn(16, 600), torch.randint(0, 16, (8,))
+    >>> grad = differentiate(linear_cross_entropy.trace(h, w, t), ("h", "w"))
+    >>> plan = materialise(partition_loops(grad.backward, grad.held), {"i": 8, "v": 16, "d": 600})
+    >>> plan.shared, plan.axis, [(c.spec, c.over_chunk) for c in plan.contractions]
+    ('grad_dot0', 'v', [('iv,id->vd', False), ('iv,vd->id', True)])
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+from neptune_fusion.ir.errors import FusionError
+from neptune_fusion.ir.expr import (
+    Binary,
+    Const,
+    Expr,
+    Index,
+    Load,
+    Param,
+    Reduce,
+    rebuild,
+    walk,
+)
+from neptune_fusion.ir.program import OutputSpec, Program, Stage
+from neptune_fusion.schedule.partition import Group
+
+PASS = "materialise"
+OFFSET_PARAM = "chunk_start"
+# the materialised chunk may take this share of the results' own size (at least MIN_CHUNK_BYTES)
+CHUNK_SHARE = 1 / 16
+MIN_CHUNK_BYTES = 16 << 20
+CHUNK_MULTIPLE = 128  # whole tiles of the producer's kernel
+
+
+@dataclass(frozen=True)
+class Contraction:
+    """One reduction of the groups as `torch.einsum(spec, shared chunk, operand)`: the result it
+    computes, the input it contracts the chunk with, whether it sums over the chunked axis
+    (accumulated across chunks) and the constant factor of its product."""
+
+    result: str
+    stage: str
+    spec: str
+    operand: str
+    operand_axes: tuple[str, ...]
+    over_chunk: bool
+    scale: float
+
+
+@dataclass(frozen=True)
+class Materialised:
+    """The plan: `producer` computes the stage `shared` for a chunk of `axis` (its inputs in
+    `sliced` cut along that axis at the given dim, the chunk's start in the parameter
+    `OFFSET_PARAM`), then each contraction runs on it. `results` are the groups' results in order,
+    `result_axes` the axes of each."""
+
+    producer: Program
+    shared: str
+    axis: str
+    sliced: tuple[tuple[str, int], ...]
+    contractions: tuple[Contraction, ...]
+    results: tuple[str, ...]
+    result_axes: tuple[tuple[str, ...], ...]
+
+
+def materialise(groups: Sequence[Group], sizes: dict[str, int]) -> Materialised:
+    """The chunked plan of `groups` (whose kernels cannot be planned), or FusionError naming the
+    condition that fails: every result a sum of one shared stage times an input's element."""
+    if not groups:
+        raise ValueError("no groups to materialise")
+    members: list[tuple[str, Stage, Group]] = []
+    for group in groups:
+        for result in group.results:
+            members.append((result, _result_stage(group, result), group))
+    inputs = frozenset(b.name for g in groups for b in g.program.inputs)
+    shared_names = {_factors_of(stage, inputs)[0].buffer for _, stage, _ in members}
+    if len(shared_names) != 1:
+        raise FusionError(PASS, members[0][1].name, "sum", f"the reductions read different intermediates {sorted(shared_names)}")
+    shared = shared_names.pop()
+    home = next(g for g in groups if any(isinstance(s, Stage) and s.name == shared for s in g.program.stages))
+    shared_axes = home.program.stage(shared).axes
+    axis = _chunk_axis(members, shared_axes, sizes)
+    contractions = tuple(_contraction(result, stage, axis, inputs) for result, stage, _ in members)
+    producer, sliced = _producer(home.program, shared, axis)
+    return Materialised(producer, shared, axis, sliced, contractions, tuple(r for r, _, _ in members),
+                        tuple(stage.axes for _, stage, _ in members))
+
+
+def chunk_length(plan: Materialised, sizes: dict[str, int], itemsize: int) -> int:
+    """Elements of the chunked axis per chunk: the materialised chunk within the budget
+    (`chunk_budget`), whole tiles, at least one tile."""
+    shared_axes = plan.producer.stage(plan.shared).axes
+    per_index = math.prod(sizes[a] for a in shared_axes if a != plan.axis) * itemsize
+    length = max(CHUNK_MULTIPLE, chunk_budget(plan, sizes, itemsize) // max(1, per_index) // CHUNK_MULTIPLE * CHUNK_MULTIPLE)
+    return min(length, sizes[plan.axis])
+
+
+def chunk_budget(plan: Materialised, sizes: dict[str, int], itemsize: int) -> int:
+    """Bytes the materialised chunk may take: a share of the results' own size (the gradients a
+    backward returns anyway), at least `MIN_CHUNK_BYTES`."""
+    results = sum(math.prod(sizes[a] for a in axes) * itemsize for axes in plan.result_axes)
+    return max(MIN_CHUNK_BYTES, int(CHUNK_SHARE * results))
+
+
+def accumulates_in_fp32(plan: Materialised, sizes: dict[str, int], itemsize: int) -> bool:
+    """Whether the results summed over chunks are held in fp32 between chunks: when that costs no
+    more than the chunk's budget; otherwise they add up in their own dtype (each chunk's part is
+    computed in fp32 by the contraction and rounded once), as Liger's fused linear cross-entropy
+    accumulates its weight gradient."""
+    accumulated = sum(math.prod(sizes[a] for a in axes) * 4
+                      for c, axes in zip(plan.contractions, plan.result_axes) if c.over_chunk)
+    return itemsize >= 4 or accumulated <= chunk_budget(plan, sizes, itemsize)
+
+
+def _result_stage(group: Group, result: str) -> Stage:
+    if result.startswith("output:"):
+        out = group.program.outputs[group.results.index(result)]
+        stage = group.program.stage(out.stage)
+        if tuple(out.dims) != stage.axes or out.view is not None:
+            raise FusionError(PASS, stage.name, "output", "the output is a permuted or reshaped view of its stage")
+        return stage
+    return group.program.stage(result)
+
+
+def _factors_of(stage: Stage, inputs: frozenset[str]) -> tuple[Load, Load, float]:
+    """(the shared stage's load, the input's load, the constant factor) of `sum[x](S * input * c)`."""
+    body = stage.body
+    if not (isinstance(body, Reduce) and body.op == "sum"):
+        raise FusionError(PASS, stage.name, "result", "it is not a sum reduction")
+    loads: list[Load] = []
+    scale = 1.0
+    stack = [body.body]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, Binary) and node.op == "mul":
+            stack += [node.a, node.b]
+        elif isinstance(node, Const) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+            scale *= float(node.value)
+        elif isinstance(node, Load) and all(isinstance(i, Index) for i in node.index):
+            loads.append(node)
+        else:
+            raise FusionError(PASS, stage.name, f"sum over {body.axis}",
+                              "its body is not a product of two plainly indexed loads and constants")
+    if len(loads) != 2:
+        raise FusionError(PASS, stage.name, f"sum over {body.axis}", f"it multiplies {len(loads)} loads, not 2")
+    staged = [ld for ld in loads if ld.buffer not in inputs]
+    if len(staged) != 1:
+        raise FusionError(PASS, stage.name, f"sum over {body.axis}", "it does not multiply one stage by one input")
+    return staged[0], next(ld for ld in loads if ld is not staged[0]), scale
+
+
+def _chunk_axis(members: list[tuple[str, Stage, Group]], shared_axes: tuple[str, ...], sizes: dict[str, int]) -> str:
+    """The shared stage's axis whose accumulated results (those summing over it) are smallest."""
+    def accumulated(axis: str) -> int:
+        return sum(math.prod(sizes[a] for a in stage.axes) for _, stage, _ in members
+                   if isinstance(stage.body, Reduce) and stage.body.axis == axis)
+    return min(shared_axes, key=lambda a: (accumulated(a), -sizes[a]))
+
+
+def _contraction(result: str, stage: Stage, axis: str, inputs: frozenset[str]) -> Contraction:
+    shared, operand, scale = _factors_of(stage, inputs)
+    assert isinstance(stage.body, Reduce)
+    letters: dict[str, str] = {}
+
+    def spell(indices: Sequence[Expr]) -> str:
+        return "".join(letters.setdefault(i.axis, "abcdefghijklmnopqrstuvwxyz"[len(letters)])  # type: ignore[attr-defined]
+                       for i in indices)
+
+    names = [i.axis for i in shared.index] + [i.axis for i in operand.index] + list(stage.axes)  # type: ignore[attr-defined]
+    for name in names:  # letters as the axes' own names where they are single letters, for reading
+        if len(name) == 1 and name not in letters and name not in letters.values():
+            letters[name] = name
+    spec = f"{spell(shared.index)},{spell(operand.index)}->{spell([Index(a) for a in stage.axes])}"
+    operand_axes = tuple(i.axis for i in operand.index)  # type: ignore[attr-defined]
+    return Contraction(result, stage.name, spec, operand.buffer, operand_axes, stage.body.axis == axis, scale)
+
+
+def _producer(program: Program, shared: str, axis: str) -> tuple[Program, tuple[tuple[str, int], ...]]:
+    """The program computing `shared` for a chunk of `axis`: inputs indexed by the axis at a dim are
+    cut there; elsewhere (comparisons, computed indices) the axis is offset by the chunk's start."""
+    needed = {shared}
+    stages: list[Stage] = []
+    for node in reversed(program.stages):
+        if not isinstance(node, Stage):
+            raise FusionError(PASS, shared, "producer", "the program is already fused")
+        if node.name in needed:
+            stages.insert(0, node)
+            needed |= node.reads()
+    sliced = tuple((b.name, b.dims.index(axis)) for b in program.inputs if axis in b.dims and b.name in needed)
+    cut = {name for name, _ in sliced}
+    staged = {st.name for st in stages}
+    offset = Binary("add", Index(axis), Param(OFFSET_PARAM))
+
+    def rewrite(expr: Expr) -> Expr:
+        for node in walk(expr):
+            if isinstance(node, Load) and node.buffer in cut:
+                dim = dict(sliced)[node.buffer]
+                if node.index[dim] != Index(axis):
+                    raise FusionError(PASS, shared, f"load of {node.buffer!r}",
+                                      f"it is read at a computed index of the chunked axis {axis!r}")
+
+        return _shift(expr, axis, offset, dict(sliced), staged)
+
+    body = [Stage(s.name, s.axes, rewrite(s.body)) for s in stages]
+    inputs = tuple(b for b in program.inputs if b.name in needed)
+    out = replace(program, name=f"{program.name}_{shared}", inputs=inputs,
+                  params=(*[p for p in program.params if p in needed], OFFSET_PARAM), stages=tuple(body),
+                  outputs=(OutputSpec(shared, program.stage(shared).axes),),
+                  param_kinds={**program.param_kinds, OFFSET_PARAM: "int"}, loop_axis=None)
+    return out, sliced
+
+
+def _shift(expr: Expr, axis: str, offset: Expr, cut: dict[str, int], staged: set[str]) -> Expr:
+    """`expr` with the chunked axis at its global position (`offset`) wherever it stands for one:
+    not inside a stage's index (stages are computed per chunk, in its local positions), not at the
+    dim along which an input is cut, not under a reduction over an axis of that name."""
+    if isinstance(expr, Index):
+        return offset if expr.axis == axis else expr
+    if isinstance(expr, Load):
+        if expr.buffer in staged:
+            return expr
+        return Load(expr.buffer, tuple(i if cut.get(expr.buffer) == k else _shift(i, axis, offset, cut, staged)
+                                       for k, i in enumerate(expr.index)))
+    if isinstance(expr, Reduce) and expr.axis == axis:
+        return expr
+    kids = expr.children()
+    return rebuild(expr, tuple(_shift(k, axis, offset, cut, staged) for k in kids)) if kids else expr
+
+
+__all__ = ["Contraction", "Materialised", "accumulates_in_fp32", "chunk_budget", "chunk_length", "materialise"]
