@@ -18,6 +18,7 @@ import neptune_fusion as nf
 from neptune_fusion.codegen.gluon_source import generate_gluon, gluon_support
 from neptune_fusion.runtime import compiled
 from neptune_fusion.runtime.compiled import Compiled, _backend_for, _gluon_precondition
+from neptune_fusion.runtime.options import Options
 from neptune_fusion.tile.ir import TileKernel
 
 TORCH_POINTER = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int64: "*i64",
@@ -30,7 +31,7 @@ def _tile_for(monkeypatch, q, k, v, score_mod=None, mask_mod=None, schedule=None
     `gluon`: as it lowers it for the Gluon backend on a Hopper GPU (which it must then choose)."""
     monkeypatch.setenv("NEPTUNE_FUSION_TMA", "force")
     if gluon:
-        monkeypatch.setattr(compiled, "_gluon_precondition", lambda device, interpreter: None)
+        monkeypatch.setattr(compiled, "_gluon_precondition", lambda device, options: None)
         monkeypatch.setenv("NEPTUNE_FUSION_BACKEND", "gluon")
     prog = nf.attention_program(q, k, v, score_mod=score_mod, mask_mod=mask_mod, **kw)
     named = nf.attention_inputs(q, k, v, score_mod=score_mod, mask_mod=mask_mod, **kw)
@@ -162,7 +163,7 @@ def test_short_block_mapped_loops_stay_on_triton(monkeypatch):
     """Under the automatic choice, block-mapped loops over few keys keep the Triton kernel (measured
     faster there), longer ones take Gluon with 128-wide key tiles unless the schedule fixes the width."""
     monkeypatch.setenv("NEPTUNE_FUSION_TMA", "force")
-    monkeypatch.setattr(compiled, "_gluon_precondition", lambda device, interpreter: None)
+    monkeypatch.setattr(compiled, "_gluon_precondition", lambda device, options: None)
     for keys, schedule, backend, width in ((256, nf.flash(128), "triton", 32), (4352, nf.flash(128), "gluon", 128),
                                            (4352, nf.flash(128, 64), "gluon", 64)):
         q, k, v = _qkv(hq=1, hkv=1, sq=128, sk=keys, d=16)
@@ -175,13 +176,14 @@ def test_short_block_mapped_loops_stay_on_triton(monkeypatch):
 
 def test_interpreter_always_gets_triton_kernels(monkeypatch):
     q, k, v = _qkv(sq=128, sk=128)
-    reason = _gluon_precondition(torch.device("cpu"), interpreter=True)
-    assert "interpreter" in reason and _backend_for(reason)[0] == "triton"
+    interpreted = Options(interpreter=True)
+    reason = _gluon_precondition(torch.device("cpu"), interpreted)
+    assert "interpreter" in reason and _backend_for(reason, interpreted)[0] == "triton"
     tile, _ = _tile_for(monkeypatch, q, k, v)
     assert "backend: Triton (not Gluon: Triton's interpreter" in tile.notes[-1]
-    monkeypatch.setenv("NEPTUNE_FUSION_BACKEND", "gluon")
+    required = Options(interpreter=True, backend="gluon")
     with pytest.raises(ValueError, match="interpreter"):
-        _backend_for(_gluon_precondition(torch.device("cpu"), interpreter=True))
+        _backend_for(_gluon_precondition(torch.device("cpu"), required), required)
     monkeypatch.setenv("NEPTUNE_FUSION_BACKEND", "cuda")
     with pytest.raises(ValueError, match="NEPTUNE_FUSION_BACKEND"):
-        _gluon_precondition(torch.device("cpu"), interpreter=True)
+        Options.from_environment()

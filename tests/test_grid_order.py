@@ -113,3 +113,21 @@ def test_group_is_the_largest_divisor_of_the_batch_that_fits_one_wave(monkeypatc
     assert compiled_module._grid_group(300, 70000, 1, 132, False, torch.device("cpu")) == 1
     with pytest.raises(ValueError, match="split_k runs at most 65535"):
         group(1, 70000, splits=4)
+
+
+def test_options_given_to_a_function_override_the_environment(monkeypatch):
+    """`nf.compile(..., options=)` carries every switch; the environment is read only without it,
+    once per compile, and an invalid value is an error naming the variable."""
+    from neptune_fusion.runtime.options import Options
+
+    monkeypatch.setenv("NEPTUNE_FUSION_GRID_GROUP", "3")
+    q, k, v = _qkv(1, 4, 4, 100, 100, 32)
+    args = dict(q=q, k=k, v=v, scale=1 / math.sqrt(32))
+    fn = nf.compile(causal_attention, options=Options(interpreter=True, grid_group=2))
+    exe = fn.executable_for(fn.program_def.trace(**args), args)
+    assert exe.record.grid_group == 2
+    from_env = nf.compile(causal_attention)
+    assert from_env.executable_for(from_env.program_def.trace(**args), args).record.grid_group == 3
+    monkeypatch.setenv("NEPTUNE_FUSION_GRID_GROUP", "two")
+    with pytest.raises(ValueError, match="NEPTUNE_FUSION_GRID_GROUP"):
+        nf.compile(causal_attention)(q, k, v, scale=0.1)

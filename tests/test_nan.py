@@ -365,7 +365,7 @@ def _sources(monkeypatch) -> dict[str, tuple[str, dict]]:
             out[name + "_combine"] = (triton_source.generate(exe.combine_tile, "cuda"), spec(exe.combine_tile, {}))
     monkeypatch.setenv("NEPTUNE_FUSION_TMA", "force")
     monkeypatch.setenv("NEPTUNE_FUSION_BACKEND", "gluon")
-    monkeypatch.setattr(compiled, "_gluon_precondition", lambda device, interpreter: None)
+    monkeypatch.setattr(compiled, "_gluon_precondition", lambda device, options: None)
     q = torch.randn(1, 2, 256, 128, generator=g, dtype=torch.float16)
     kw = {"mask_mod": lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, "return_lse": True}
     prog = nf.attention_program(q, q, q, **kw)

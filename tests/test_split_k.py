@@ -209,7 +209,7 @@ def test_separate_combine_uses_programmatic_dependent_launch_on_hopper(monkeypat
     interpreted = fn.executable_for(program, named)
     assert "gdc_" not in interpreted.main.source + interpreted.combine.source
     # the CUDA target, compiled on this machine without loading the kernels
-    monkeypatch.setattr(compiled, "interpreter_mode", lambda: False)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the switches the compile reads (runtime/options.py)
     monkeypatch.setattr(compiled, "_check_tensors", lambda p, a, i: torch.device("cuda"))
     monkeypatch.setattr(compiled, "_load_kernel", lambda source, name: None)
     monkeypatch.setattr(compiled, "_num_sms", lambda device: 132)

@@ -48,13 +48,14 @@ from neptune_fusion.lang.ops import (
 from neptune_fusion.lang.trace import ProgramDef, program
 from neptune_fusion.runtime.compiled import Compiled, compile
 from neptune_fusion.runtime.explain import explain
+from neptune_fusion.runtime.options import Options
 from neptune_fusion.runtime.reference import run_reference
 from neptune_fusion.schedule.templates import Auto, Autotune, Flash, SplitK, auto, autotune, flash, split_k
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Auto", "Autotune", "Compiled", "Flash", "FusionError", "ProgramDef", "SplitK", "UnsupportedProgramError",
+    "Auto", "Autotune", "Compiled", "Flash", "FusionError", "Options", "ProgramDef", "SplitK", "UnsupportedProgramError",
     "abs_", "auto", "autotune", "cast", "compile", "cos", "einsum", "exp", "exp2", "explain", "flash", "index",
     "inf", "log", "log2", "matmul", "max", "maximum", "min", "minimum", "program", "rsqrt",
     "run_reference", "sigmoid", "sin", "size", "split_k", "sqrt", "sum", "tanh", "where",

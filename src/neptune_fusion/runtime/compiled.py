@@ -41,6 +41,7 @@ from neptune_fusion.ir.program import FusedLoop, Program
 from neptune_fusion.lang.tensor import input_dtype_name
 from neptune_fusion.lang.trace import ProgramDef
 from neptune_fusion.runtime.blockmap import block_map, block_map_axes
+from neptune_fusion.runtime.options import Options
 from neptune_fusion.runtime.reference import axis_extents, run_reference
 from neptune_fusion.runtime.state import CALL_STATE
 from neptune_fusion.schedule.auto import Plan, choose, fit
@@ -303,11 +304,12 @@ def _check_offsets(fused: Program, roles: Any, args: dict[str, Any]) -> None:
                 f"such slices with 32-bit offsets (make the sequence or head-dim layout more compact)")
 
 
-def _tma_buffers(program: Program, args: dict[str, Any], device: torch.device, interpreter: bool) -> frozenset[str]:
+def _tma_buffers(program: Program, args: dict[str, Any], device: torch.device, options: Options) -> frozenset[str]:
     """Inputs whose tiles can be read through tensor descriptors (Hopper's copy engine): floating
-    point, last dimension contiguous, other strides and the base 16-byte aligned."""
-    setting = os.environ.get("NEPTUNE_FUSION_TMA", "auto")  # "0": never; "force": also in the interpreter
-    if setting == "0" or (interpreter and setting != "force"):
+    point, last dimension contiguous, other strides and the base 16-byte aligned (`options.tma`:
+    "0" never, "force" also in the interpreter)."""
+    interpreter = options.interpreter
+    if options.tma == "0" or (interpreter and options.tma != "force"):
         return frozenset()
     if not interpreter and (device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9):
         return frozenset()
@@ -396,35 +398,26 @@ def _num_sms(device: torch.device) -> int:
 
 
 GLUON_BLOCK_MAP_MIN_KEYS = 4096  # block-mapped loops go through Gluon only above this many keys
-DEFAULT_BACKEND = "auto"  # Gluon where it can print the kernel, Triton elsewhere
 
 
-def _backend_setting() -> str:
-    setting = os.environ.get("NEPTUNE_FUSION_BACKEND", DEFAULT_BACKEND)
-    if setting not in ("auto", "triton", "gluon"):
-        raise ValueError(f"NEPTUNE_FUSION_BACKEND must be auto, triton or gluon, got {setting!r}")
-    return setting
-
-
-def _gluon_precondition(device: torch.device, interpreter: bool) -> str | None:
+def _gluon_precondition(device: torch.device, options: Options) -> str | None:
     """Why no Gluon kernel can run here at all (None: it can, for tile programs it accepts)."""
-    if _backend_setting() == "triton":
+    if options.backend == "triton":
         return "NEPTUNE_FUSION_BACKEND=triton"
-    if interpreter:
+    if options.interpreter:
         return "Triton's interpreter runs Triton kernels only"
     if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
         return "the warp-specialised Gluon kernels are written for Hopper (compute capability 9.x)"
     return None
 
 
-def _backend_for(reason: str | None) -> tuple[str, str]:
+def _backend_for(reason: str | None, options: Options) -> tuple[str, str]:
     """("gluon" or "triton", why) for a main kernel, given why Gluon cannot print it (None: it can).
-    NEPTUNE_FUSION_BACKEND: "auto" (Gluon where it can), "triton", or "gluon" (required: raises
-    where it cannot)."""
-    setting = _backend_setting()
+    `options.backend`: "auto" (Gluon where it can), "triton", or "gluon" (required: raises where it
+    cannot)."""
     if reason is None:
         return "gluon", "warp-specialised (Gluon): a producer warp and two consumer warpgroups"
-    if setting == "gluon":
+    if options.backend == "gluon":
         raise ValueError(f"NEPTUNE_FUSION_BACKEND=gluon, but {reason}")
     return "triton", f"Triton (not Gluon: {reason})"
 
@@ -438,9 +431,9 @@ MAX_GRID_AXIS = 65535  # CUDA's limit on grid axes 1 and 2
 
 
 def _grid_group(row_tiles: int, batch: int, splits: int, num_sms: int, block_mapped: bool,
-                device: torch.device) -> int | None:
+                device: torch.device, setting: int | None = None) -> int | None:
     """How many batch entries (heads) run their row tiles interleaved, heaviest first, on a one-axis
-    grid (tile/lower.py `_grouped_program_ids`; NEPTUNE_FUSION_GRID_GROUP overrides); None for the
+    grid (tile/lower.py `_grouped_program_ids`; `setting`, Options.grid_group, overrides); None for the
     plain (row tiles, batch) grid, which holds at most 65535 batch entries.
 
     The largest divisor of the batch whose group still fits one wave of programs: each wave then
@@ -450,15 +443,14 @@ def _grid_group(row_tiles: int, batch: int, splits: int, num_sms: int, block_map
     group while the whole launch is at most eight waves; past that, interleaving all heads costs more
     than it balances.
     """
-    setting = os.environ.get("NEPTUNE_FUSION_GRID_GROUP")
     if splits > 1:
         # split-K's partial states and its combine are indexed by the plain (row tiles, batch) grid
         if batch > MAX_GRID_AXIS:
             raise ValueError(f"split_k runs at most {MAX_GRID_AXIS} batch entries (batch x heads) at once, "
                              f"got {batch}; use flash() or fewer sequences per call")
         return None
-    if setting:
-        return max(1, int(setting))
+    if setting is not None:
+        return setting
     group = 1
     if device.type == "cuda" and block_mapped and batch * row_tiles <= 8 * num_sms:
         group = batch
@@ -495,9 +487,10 @@ class Compiled:
     """
 
     def __init__(self, program: ProgramDef | Callable[..., Any], schedule: Schedule | None = None,
-                 allow_fallback: bool = False) -> None:
+                 allow_fallback: bool = False, options: Options | None = None) -> None:
         self.program_def = program if isinstance(program, ProgramDef) else ProgramDef(program)
         self.schedule = schedule or Auto()
+        self.options = options  # the switches; None: read from the environment at each compile
         self.allow_fallback = allow_fallback
         self._cache: dict[tuple[Any, ...], Executable] = {}
         self._scratch: dict[tuple[Any, ...], dict[str, torch.Tensor]] = {}
@@ -510,13 +503,16 @@ class Compiled:
         self.training: dict[tuple[Any, ...], Any] = {}  # (program, wrt) -> its derived backward, compiled
 
     # --- compile ------------------------------------------------------------------
-    def executable_for(self, program: Program, args: dict[str, Any], plan: Plan | None = None) -> Executable:
-        """Compile (or fetch from cache) the kernels for these arguments (`plan` overrides the schedule)."""
-        interpreter = interpreter_mode()
+    def executable_for(self, program: Program, args: dict[str, Any], plan: Plan | None = None,
+                       options: Options | None = None) -> Executable:
+        """Compile (or fetch from cache) the kernels for these arguments (`plan` overrides the
+        schedule; `options`, the switches, are read from the environment unless given)."""
+        options = options or self.options or Options.from_environment()
+        interpreter = options.interpreter
         device = _check_tensors(program, args, interpreter)
         groups = _partition_cached(program)
         if len(groups) > 1:
-            return self._grouped(program, groups, args, device)
+            return self._grouped(program, groups, args, device, options)
         dtypes = {b.name: input_dtype_name(args[b.name].dtype) for b in program.inputs}
         main_dtype = next(dtypes[b.name] for b in program.inputs if args[b.name].is_floating_point())
         fused = _fuse_cached(program, 1)[-1].program
@@ -542,9 +538,8 @@ class Compiled:
                 plan = plan_for(tiles)
         if plan.splits > 1 or plan.prefetch_dot:
             gluon_reason = "split-K and software-pipelined plans run through Triton"
-            _backend_setting()  # an invalid setting is an error whichever backend serves this plan
         else:
-            gluon_reason = _gluon_precondition(device, interpreter)
+            gluon_reason = _gluon_precondition(device, options)
         if not given_plan and gluon_reason is None:
             explicit_width = isinstance(self.schedule, (Flash, SplitK)) and self.schedule.block_k is not None
             if use_block_map and sizes[roles.col] > GLUON_BLOCK_MAP_MIN_KEYS and not explicit_width:
@@ -556,7 +551,7 @@ class Compiled:
         tiling = choose_tiling(fused, full_sizes, plan.block_row, plan.block_col,
                                4 if main_dtype == "f32" else 2, plan.num_stages, plan.num_warps)
         check_fits(tiling, fused, plan.block_row, plan.num_warps)
-        tma = all_tma = _tma_buffers(program, args, device, interpreter)
+        tma = all_tma = _tma_buffers(program, args, device, options)
         if use_block_map or plan.splits > 1:
             # tiles at run-time coordinates (from the block map) and split-K's memory-bound single
             # reads of each key tile load faster through pointers: a descriptor costs more to set up
@@ -569,10 +564,11 @@ class Compiled:
         # the separate combine launches while the main kernel runs and waits for its writes itself
         dependent_launch = plan.splits > 1 and not interpreter and _supports_dependent_launch(device)
         grid_group = None if tiling.grid else _grid_group(
-            math.ceil(sizes[roles.row] / plan.block_row), batch, plan.splits, _num_sms(device), use_block_map, device)
+            math.ceil(sizes[roles.row] / plan.block_row), batch, plan.splits, _num_sms(device), use_block_map, device,
+            options.grid_group)
         record = KernelPlan(plan, tiling, tuple(sorted(dtypes.items())), tuple(sorted(full_sizes.items())), layout,
                             tma, positive, combine_rows, prefetch_index, grid_group, dependent_launch,
-                            os.environ.get("NEPTUNE_FUSION_BACKEND", DEFAULT_BACKEND), interpreter, str(device))
+                            options.backend, interpreter, str(device))
         key = (program.fingerprint(), record)
         if key in self._cache:
             return self._cache[key]
@@ -611,7 +607,7 @@ class Compiled:
                 flash = choose(Flash(), rows=sizes[roles.row], cols=sizes[roles.col], batch=batch,
                                full_sizes=full_sizes, dtype=main_dtype, num_sms=_num_sms(device),
                                interpreter=interpreter, block_mapped=use_block_map)
-                exe = self.executable_for(program, args, flash)
+                exe = self.executable_for(program, args, flash, options)
                 self._cache[key] = exe
                 return exe
             cfused = combine_steps[-1].program
@@ -638,13 +634,13 @@ class Compiled:
         # the Gluon backend reads every tile it can through descriptors (its producer warp issues the
         # copies), block-mapped ones too, and needs no software-pipelining rewrites of the loop
         reason = gluon_reason
-        if reason is None and use_block_map and sizes[roles.col] <= GLUON_BLOCK_MAP_MIN_KEYS and _backend_setting() == "auto":
+        if reason is None and use_block_map and sizes[roles.col] <= GLUON_BLOCK_MAP_MIN_KEYS and options.backend == "auto":
             # short listed loops: the producer warp's ring never fills, and Triton's kernel is faster
             reason = f"block-mapped loops over at most {GLUON_BLOCK_MAP_MIN_KEYS} keys measured faster through Triton"
         if reason is None:
             gluon_tile = lower(fused, replace(config, tma_buffers=all_tma, notes=[]), name)
             reason = gluon_support(gluon_tile)
-        backend, why = _backend_for(reason)
+        backend, why = _backend_for(reason, options)
         if backend == "gluon":
             gluon_tile.notes.append(f"backend: {why}")
             source = generate_gluon(gluon_tile)
@@ -660,7 +656,7 @@ class Compiled:
                                                                  p.num_warps))
                 fitted = fit(plan, usage, *_device_limits(device), narrow_first=narrow_loops_first(tile))
                 if fitted != plan:
-                    exe = self.executable_for(program, args, fitted)
+                    exe = self.executable_for(program, args, fitted, options)
                     self._cache[key] = exe
                     return exe
             tile.notes.append(f"backend: {why}")
@@ -672,7 +668,7 @@ class Compiled:
         return exe
 
     def _grouped(self, program: Program, groups: list[Group], args: dict[str, Any],
-                 device: torch.device) -> Executable:
+                 device: torch.device, options: Options) -> Executable:
         """One executable per group (schedule/partition.py), each compiled for example arguments:
         the call's own, and for the reductions one group writes for the next, contiguous fp32
         tensors of their shapes (what the launcher allocates for them)."""
@@ -684,7 +680,7 @@ class Compiled:
         parts: list[tuple[Group, Executable]] = []
         steps: list[Step] = []
         for k, group in enumerate(groups):
-            exe = self.executable_for(group.program, {n: env[n] for n in _arg_names(group.program)})
+            exe = self.executable_for(group.program, {n: env[n] for n in _arg_names(group.program)}, options=options)
             parts.append((group, exe))
             steps += [Step(f"kernel {k + 1} of {len(groups)}: {s.name}", s.program) for s in exe.steps]
             env.update(_materialised(program, group, sizes, device))
@@ -1045,8 +1041,9 @@ def _arg_key(value: Any) -> Any:
 
 
 def compile(program: ProgramDef | Callable[..., Any], schedule: Schedule | None = None,  # noqa: A001
-            allow_fallback: bool = False) -> Compiled:
-    """Compile a program for the GPU; the template is chosen from the shapes unless given.
+            allow_fallback: bool = False, options: Options | None = None) -> Compiled:
+    """Compile a program for the GPU; the template is chosen from the shapes unless given, the
+    switches (`runtime/options.py`) read from the environment unless given.
 
     Example:
         >>> import torch, neptune_fusion as nf
@@ -1056,4 +1053,4 @@ def compile(program: ProgramDef | Callable[..., Any], schedule: Schedule | None 
         >>> torch.allclose(fn(q, k, v, scale=0.25), torch.softmax(q @ k.transpose(-1, -2) * 0.25, -1) @ v, atol=1e-5)
         True
     """
-    return Compiled(program, schedule, allow_fallback)
+    return Compiled(program, schedule, allow_fallback, options)
