@@ -50,7 +50,7 @@ block_mask = create_block_mask(document_causal, None, None, S, S, device=device)
 layer = Attention()
 compiled = torch.compile(layer, fullgraph=True)
 x = torch.randn(B, H, S, D, device=device)
-with torch.no_grad():  # no backward yet: in grad mode nf.attention raises rather than drop gradients
+with torch.no_grad():  # inference here (in grad mode the call gets its derived backward: README, Training)
     out = compiled(x, block_mask)
     torch.testing.assert_close(out, layer(x, block_mask), atol=1e-5, rtol=1e-5)
     slopes.mul_(2.0)  # seen by the next call

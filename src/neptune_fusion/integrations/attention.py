@@ -17,7 +17,8 @@ as for `torch.nn.attention.flex_attention`: torch operations on their arguments 
 captured tensors (`slopes[h]`, `doc_id[q_idx] == doc_id[kv_idx]`, `bias[h, q_idx]`). Captured
 tensors become extra kernel inputs, passed on every call (so in-place updates are seen); their
 indices are not bounds-checked (as in FlexAttention, out-of-range indices are the caller's bug).
-There is no backward yet: inputs that require grad (in grad mode) raise. `attend` takes the masks
+Inputs or captured tensors that require grad (in grad mode) get the backward the compiler derives
+(integrations/autograd.py). `attend` takes the masks
 models ask for by value (causal, window, softcap, key padding), with nothing to trace per call.
 Inside torch.compile a call is one registered op (`neptune_fusion::flex_attention`) whose inputs
 include the tensors the mods capture (reached by the paths `_fn_key` records).

@@ -17,7 +17,8 @@ seeing global positions, in one of two ways:
 Fully masked pairs are skipped without a launch: the mask analysis of the program over global
 positions bounds each pair's visible elements (exact for affine masks), and a BlockMask's block
 lists rule out the pairs they do not list; data-dependent masks (document ids) leave the rest
-to the kernel's own block maps. Forward only: there is no backward yet.
+to the kernel's own block maps. With q, k or v requiring grad, the call is differentiable: its
+backward runs a second ring (`context_parallel_grad.py`) whatever the forward's strategy.
 
 Runs with gloo on CPU tensors (kernels under TRITON_INTERPRET=1) and NCCL on CUDA tensors.
 Multi-GPU runs should keep NVLink multicast off: NCCL_NVLS_ENABLE=0,
@@ -64,6 +65,7 @@ from neptune_fusion.integrations.context_parallel_comm import (
     group_of,
     shard_offsets,
 )
+from neptune_fusion.integrations.context_parallel_grad import RingAttention
 from neptune_fusion.integrations.context_parallel_merge import Merge, Partial
 from neptune_fusion.integrations.context_parallel_plan import (
     STRATEGIES,
@@ -219,8 +221,11 @@ def _unpack(buf: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int) ->
     return buf[:nk].view(kshape), buf[nk:nk + math.prod(vshape)].view(vshape)
 
 
+Lses = dict[int, "torch.Tensor | None"]  # per local query chunk: its global log-sum-exp (None: no pair visible)
+
+
 def _ring(call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, rank: int, world: int,
-          load_balance: str | None) -> torch.Tensor:
+          load_balance: str | None) -> tuple[torch.Tensor, Lses]:
     q_chunks = shard_offsets(call.q_bounds, world, rank, load_balance)
     lengths = [shard_length(call.kv_bounds[-1][1], world, r, load_balance) for r in range(world)]
     per_position = k.shape[0] * k.shape[1] * (k.shape[3] + v.shape[3])
@@ -249,11 +254,12 @@ def _ring(call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group:
         for work in works:
             work.wait()
         bufs.reverse()
-    return _finish(q, v, q_chunks, {i: None if s is None else s.out for i, s in states.items()})
+    out = _finish(q, v, q_chunks, {i: None if s is None else s.out for i, s in states.items()})
+    return out, {i: None if s is None else s.lse for i, s in states.items()}
 
 
 def _all_gathered(call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, rank: int,
-                  world: int, load_balance: str | None) -> torch.Tensor:
+                  world: int, load_balance: str | None) -> tuple[torch.Tensor, Lses]:
     q_chunks = shard_offsets(call.q_bounds, world, rank, load_balance)
     lengths = [shard_length(call.kv_bounds[-1][1], world, r, load_balance) for r in range(world)]
     per_position = k.shape[0] * k.shape[1] * (k.shape[3] + v.shape[3])
@@ -273,11 +279,12 @@ def _all_gathered(call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     k_all = torch.cat([ks[c] for c in sorted(ks)], dim=2)
     v_all = torch.cat([vs[c] for c in sorted(vs)], dim=2)
     del shards, ks, vs
-    results: dict[int, torch.Tensor | None] = {}
+    parts: dict[int, Partial | None] = {}
     for i, a, b in q_chunks:
         seen = any(call.visible[i])
-        results[i] = _attend(call, q[:, :, a:b], k_all, v_all, i, 0).out if seen else None
-    return _finish(q, v, q_chunks, results)
+        parts[i] = _attend(call, q[:, :, a:b], k_all, v_all, i, 0) if seen else None
+    out = _finish(q, v, q_chunks, {i: None if p is None else p.out for i, p in parts.items()})
+    return out, {i: None if p is None else p.lse for i, p in parts.items()}
 
 
 # --------------------------------------------------------------------------- the API
@@ -312,8 +319,9 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
     Inputs are checked before any communication (ValueError/TypeError); then one small
     all_gather checks that the ranks agree (shapes, dtype, flags, shard lengths) and raises the
-    same ValueError on all of them where not. No backward yet: inputs that require grad (in grad
-    mode) raise a RuntimeError. Multi-GPU (NCCL): keep NVLink multicast off with
+    same ValueError on all of them where not. Differentiable in q, k and v (a second ring in the
+    backward, collective too); a tensor the mods capture that requires grad raises RuntimeError.
+    Multi-GPU (NCCL): keep NVLink multicast off with
     NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1.
 
     Example (on every rank, after init_process_group; see examples/context_parallel.py):
@@ -336,7 +344,12 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         strategy = estimate(counts, shapes, machine_for(q.device.type, q.dtype), budget).choice
     last_strategy = strategy
     run = _ring if strategy == "ring" else _all_gathered
-    return run(call, q, k, v, group, rank, world, load_balance)
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
+        return run(call, q, k, v, group, rank, world, load_balance)[0]
+    ring = {"attend": lambda qc, kc, vc, i, kv_off: _attend(call, qc, kc, vc, i, kv_off), "q_bounds": call.q_bounds,
+            "kv_bounds": call.kv_bounds, "visible": call.visible, "group": group, "rank": rank, "world": world,
+            "load_balance": load_balance}
+    return RingAttention.apply(q, k, v, lambda *qkv: run(call, *qkv, group, rank, world, load_balance), ring)
 
 
 def _check_call(q: Any, k: Any, v: Any, score_mod: Any, block_mask: Any, mask_mod: Any, scale: Any, enable_gqa: bool,
@@ -347,25 +360,23 @@ def _check_call(q: Any, k: Any, v: Any, score_mod: Any, block_mask: Any, mask_mo
     check_load_balance(load_balance)
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be 'ring', 'all_gather' or None (chosen from the shapes), got {strategy!r}")
-    _refuse_grad(q, k, v, score_mod, block_mask.mask_mod if block_mask is not None else mask_mod, enable_gqa)
+    _refuse_captured_grad(score_mod, block_mask.mask_mod if block_mask is not None else mask_mod, enable_gqa)
     return scale, block_mask, mask_mod
 
 
-def _refuse_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod: Any, mask_mod: Any,
-                 enable_gqa: bool) -> None:
-    """No backward through the ring yet. Refused here, not left to nf.attention: once it has a
-    backward, the per-pair calls would carry gradients but the transfers and merges would not."""
+def _refuse_captured_grad(score_mod: Any, mask_mod: Any, enable_gqa: bool) -> None:
+    """The backward through the ring gives q, k and v their gradients, not the tensors the mods
+    capture: a call where one of those requires grad (in grad mode) is refused, before any
+    communication, rather than returning a result that silently drops its gradient."""
     if not torch.is_grad_enabled():
         return
     request = _Request(score_mod, mask_mod, Builtins(), Outputs(lse=True), bool(enable_gqa), None)
     captured = _keys(request)[1].tensors  # the tensors the mods close over, found as nf.attention finds them
-    named = [("query", q), ("key", k), ("value", v), *(("a tensor score_mod or mask_mod captures", t) for t in captured)]
-    what = next((name for name, t in named if t.requires_grad), None)
-    if what is not None:
+    if any(t.requires_grad for t in captured):
         raise RuntimeError(
-            f"neptune_fusion context_parallel_attention has no backward yet, but {what} requires grad: its result "
-            f"would silently carry no gradient. Make the call forward-only (run it under `torch.no_grad()` or "
-            f"`torch.inference_mode()`, or pass detached tensors).")
+            "neptune_fusion context_parallel_attention differentiates q, k and v only, but a tensor its score_mod "
+            "or mask_mod captures requires grad: that gradient would silently be dropped. Detach the captured "
+            "tensor, or run the call under `torch.no_grad()`.")
 
 
 def _agree_across_ranks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod: Any, masked: bool,

@@ -82,8 +82,9 @@ def call_in_graph(fn: Compiled, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     handle, _ = _handle(fn, len(args), tuple(kwargs), kinds)
     tensors = [v for v, k in zip(values, kinds) if k == "tensor"]
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        raise RuntimeError(f"{fn.program_def.name}: nf.compile'd programs have no backward yet, but an input "
-                           f"requires grad; run the call under torch.no_grad() or pass detached tensors")
+        raise RuntimeError(f"{fn.program_def.name}: this op runs the program without its backward, but an input "
+                           f"requires grad; call the compiled function itself (its derived backward is a "
+                           f"registered op of its own) or pass detached tensors")
     floats = [v for v, k in zip(values, kinds) if k == "float"]
     ints = [v for v, k in zip(values, kinds) if k == "int"]
     out = _program_op(tensors, floats, ints, handle)
