@@ -21,7 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import neptune_fusion as nf
-from bench.common import bench, environment, rel_err, warm_up_gpu, write_results
+from bench.common import bench, environment, peak_extra, rel_err, warm_up_gpu, write_results
 
 HEADS, DIM, WINDOW, SOFTCAP = 32, 128, 1024, 50.0
 CHECK_HEADS = 2  # heads compared against the fp32 dense reference (its score matrix is L x L per head)
@@ -85,15 +85,6 @@ def fwd_bwd(run: Callable[[], torch.Tensor], inputs: list[torch.Tensor], grad: t
     def step() -> Any:
         return torch.autograd.grad(run(), inputs, grad)
     return step
-
-
-def peak_extra(step: Callable[[], Any]) -> int:
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    step()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
 
 
 def measure(case: str, seq: int, dtype: torch.dtype, check_only: bool = False) -> dict[str, Any]:

@@ -22,8 +22,8 @@ import triton
 from neptune_fusion.benchmarks.cases import rel_err
 from neptune_fusion.benchmarks.runner import host_us, warm_up_gpu
 
-__all__ = ["bench", "captured", "environment", "host_us", "reference", "rel_err", "try_time", "warm_up_gpu",
-           "write_results"]
+__all__ = ["bench", "captured", "environment", "host_us", "peak_extra", "reference", "rel_err", "try_time",
+           "warm_up_gpu", "write_results"]
 
 # many shapes and mods are compiled in one process: let FlexAttention recompile for each instead of
 # silently falling back to eager after the default limit of 8
@@ -56,6 +56,16 @@ def try_time(fn: Callable[[], Any], **kw: Any) -> float | None:
     except Exception as exc:  # noqa: BLE001 - a baseline that cannot run is recorded as missing
         print(f"    (baseline failed: {type(exc).__name__}: {str(exc)[:120]})")
         return None
+
+
+def peak_extra(fn: Callable[[], Any]) -> int:
+    """Bytes of GPU memory `fn()` allocates beyond what is held before it, at its peak."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
 
 
 def write_results(name: str, payload: dict[str, Any]) -> Path:

@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 
 import neptune_fusion as nf
-from bench.common import bench, environment, rel_err, warm_up_gpu, write_results
+from bench.common import bench, environment, peak_extra, rel_err, warm_up_gpu, write_results
 from neptune_fusion.library import linear_cross_entropy
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -57,15 +57,6 @@ def step(loss: Callable[..., torch.Tensor], h: torch.Tensor, w: torch.Tensor, ta
         out = loss(h, w, target)
         return (out, *torch.autograd.grad(out, (h, w), seed))
     return run
-
-
-def peak_extra(fn: Callable[[], Any]) -> int:
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
 
 
 def main() -> None:

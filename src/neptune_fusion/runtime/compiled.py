@@ -121,13 +121,13 @@ class KernelPlan:
     """Every decision behind one kernel, as one record: the schedule's plan (tiles, warps, stages,
     splits), how the tile walks its axes, the layout, the loads, the grid, the backend setting and
     the target. It is the kernel cache's key (with the program's fingerprint) and what `explain`
-    prints.
+    prints. `options` are the switches it was compiled under (runtime/options.py).
 
     Example:
         >>> from neptune_fusion.schedule.auto import Plan
         >>> from neptune_fusion.schedule.tiles import AxisTiling
         >>> record = KernelPlan(Plan(128, 64, 8, 3, 1), AxisTiling((("e", 128),)), (("q", "f16"),), (("e", 128),))
-        >>> record.plan.block_row, record.backend
+        >>> record.plan.block_row, record.options.backend
         (128, 'auto')
     """
 
@@ -142,8 +142,7 @@ class KernelPlan:
     prefetch_index: bool = False  # block-mapped loops read the next tile's index an iteration ahead
     grid_group: int | None = None
     dependent_launch: bool = False  # the split-K combine launches early and waits for the main kernel
-    backend: str = "auto"  # the NEPTUNE_FUSION_BACKEND setting the backend was chosen under
-    interpreter: bool = False
+    options: Options = Options()
     device: str = "cpu"
 
     def describe(self) -> str:
@@ -568,7 +567,7 @@ class Compiled:
             options.grid_group)
         record = KernelPlan(plan, tiling, tuple(sorted(dtypes.items())), tuple(sorted(full_sizes.items())), layout,
                             tma, positive, combine_rows, prefetch_index, grid_group, dependent_launch,
-                            options.backend, interpreter, str(device))
+                            options, str(device))
         key = (program.fingerprint(), record)
         if key in self._cache:
             return self._cache[key]
