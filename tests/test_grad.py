@@ -390,3 +390,27 @@ def test_a_backward_that_cannot_be_planned_raises_at_the_forward_call() -> None:
         nf.compile(squared_logsumexp)(h, w)
     with torch.no_grad():  # forward-only, the same program compiles (its loop over the vocabulary K-loops)
         assert nf.compile(squared_logsumexp)(h, w).shape == (8,)
+
+
+def test_a_training_step_with_a_block_mask_builds_no_block_map_again() -> None:
+    """The backward kernels' block maps come from the BlockMask alone: the guard of rows the forward
+    left empty (which reads the saved max, new every step) stays arithmetic, so the second step
+    finds every map in its cache. Gradients as the dense formula's."""
+    import neptune_fusion.runtime.blockmap as blockmap
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 64, 16, dtype=torch.float64) for _ in range(3))
+    block = create_block_mask(lambda b, h, i, j: i >= j + 3, None, None, 64, 64, device="cpu", BLOCK_SIZE=16)
+    seed = torch.randn(1, 2, 64, 16, dtype=torch.float64)
+    for step in range(2):
+        leaves = [t.float().requires_grad_() for t in (q, k, v)]
+        before = blockmap.builds
+        got = torch.autograd.grad(nf.attention(*leaves, block_mask=block), leaves, seed.float())
+        if step == 1:
+            assert blockmap.builds == before
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    i, j = torch.arange(64)[:, None], torch.arange(64)[None]
+    s = (ref[0] @ ref[1].transpose(-1, -2) / 4.0).masked_fill(~(i >= j + 3), -math.inf)
+    want = torch.autograd.grad(torch.softmax(s, -1).nan_to_num(0.0) @ ref[2], ref, seed)
+    assert_grads(got, want, tol=1e-4)

@@ -219,14 +219,14 @@ class _Reverse:
             if zero is None:
                 contribution = simplify(_times(upstream, d))
             elif self.plain(d):  # guard the adjoint alone: the product stays a contraction (a dot)
-                contribution = simplify(_times(Where(zero, Const(0.0), upstream), d))
+                contribution = simplify(_times(_guard(zero, upstream), d))
             elif free_axes(zero) <= free_axes(d):
                 # the partial may hold what the forward discarded (0 / 0). The adjoint is exactly 0
                 # where `zero` holds, so guarding the partial alone is the same as guarding the
                 # product, and the guard keeps the partial's axes: the product stays a dot
-                contribution = simplify(_times(upstream, Where(zero, Const(0.0), d)))
+                contribution = simplify(_times(upstream, _guard(zero, d)))
             else:  # the condition has axes the partial lacks: guard the product
-                contribution = Where(zero, Const(0.0), simplify(_times(upstream, d)))
+                contribution = _guard(zero, simplify(_times(upstream, d)))
             self.contribute(stage, load, contribution, frame)
 
     def plain(self, expr: Expr) -> bool:
@@ -447,6 +447,21 @@ def _group_index(component: Expr, frame: tuple[str, ...], taken: dict[str, Expr]
 
 def _times(a: Expr, b: Expr) -> Expr:
     return a if b == Const(1.0) else b if a == Const(1.0) else a * b
+
+
+def _guard(zero: Expr, expr: Expr) -> Expr:
+    """`where(zero, 0, expr)`, one where per disjunct of `zero`: a mask's condition and a row's
+    (rows the forward left empty) stay apart, so the mask analysis sees the mask alone and the
+    row's guard, which can skip no tile, stays arithmetic instead of making block maps per row."""
+    for part in reversed(_disjuncts(zero)):
+        expr = Where(part, Const(0.0), expr)
+    return expr
+
+
+def _disjuncts(cond: Expr) -> list[Expr]:
+    if isinstance(cond, Binary) and cond.op == "or":
+        return _disjuncts(cond.a) + _disjuncts(cond.b)
+    return [cond]
 
 
 def _and(a: Expr, b: Expr) -> Expr:
