@@ -6,6 +6,7 @@ context_parallel with SDPA.
     torchrun --nproc-per-node=2 -m bench.context_parallel --lengths 48 --heads 2 --kv-heads 1 --dim 16
                                                                  (no GPU: gloo, kernels in Triton's interpreter;
                                                                   a smoke test of this script)
+    --backward: also forward+backward through the ring, its gradients against one GPU's.
 
 For each length (default 64k and 128k tokens) and mask (causal; document: causal within packed
 documents of random lengths), fp16, batch 1: every rank builds the same full q, k, v; the
@@ -58,6 +59,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2 if CUDA else 1)
     p.add_argument("--reps", type=int, default=10 if CUDA else 2)
     p.add_argument("--no-baseline", action="store_true", help="skip torch's context_parallel")
+    p.add_argument("--backward", action="store_true", help="also time forward+backward and check the gradients")
     return p.parse_args()
 
 
@@ -225,9 +227,39 @@ def run_case(length: int, mask: str, args: Any, rank: int, world: int, device: t
             row["torch_cp_sdpa"] = base
         elif mask != "causal":
             row["torch_cp_sdpa"] = {"error": "SDPA's context parallelism takes no document mask"}
+    if args.backward:
+        row["backward"] = backward_case(shards, gathered, mask_mod, gqa, args, device, world)
     if rank == 0:
         print(json.dumps(row), flush=True)
     return row
+
+
+def backward_case(shards: list[torch.Tensor], full: list[torch.Tensor], mask_mod: Any, gqa: bool, args: Any,
+                  device: torch.device, world: int) -> dict[str, Any]:
+    """Forward+backward: the ring's gradients of q, k, v against one GPU's on the full tensors
+    (relative error of the gathered gradients), the time of both beside each other."""
+    gen = torch.Generator(device=device).manual_seed(1)
+    seed = torch.randn((*full[0].shape[:3], full[2].shape[3]), generator=gen, device=device, dtype=full[0].dtype)
+    local_seed = nf.context_parallel_shard(seed)
+    leaves = [t.detach().requires_grad_() for t in shards]
+    full_leaves = [t.detach().requires_grad_() for t in full]
+
+    def one_gpu() -> Any:
+        return torch.autograd.grad(nf.attention(*full_leaves, mask_mod=mask_mod, enable_gqa=gqa), full_leaves, seed)
+
+    out: dict[str, Any] = {"one_gpu_ms": local_time(one_gpu, args.warmup, args.reps) * 1e3}
+    want = one_gpu()
+    for strategy in args.strategies:
+        def step(strategy: str = strategy) -> Any:
+            o = nf.context_parallel_attention(*leaves, mask_mod=mask_mod, enable_gqa=gqa, strategy=strategy)
+            return torch.autograd.grad(o, leaves, local_seed)
+
+        got = [nf.context_parallel_gather(g) for g in step()]
+        err = all_max(max(rel_err(g, w) for g, w in zip(got, want)), device)
+        seconds = group_time(step, args.warmup, args.reps, device)
+        out[strategy] = {"ms": seconds * 1e3, "scaling_efficiency": out["one_gpu_ms"] / (world * seconds * 1e3),
+                         "rel_err": err, "ok": err < (2e-2 if CUDA else 1e-4)}
+    return out
 
 
 def main() -> None:
