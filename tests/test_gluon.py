@@ -71,7 +71,7 @@ def _compile_for_hopper(tile: TileKernel, named: dict, tmp_path) -> dict:
     signature: dict[str, str] = {}
     aligned = []
     for arg in tile.args:
-        kind, _, buffer = arg.source.partition(":")
+        kind, buffer = arg.source.kind, arg.source.name
         if arg.kind == "pointer":
             if kind == "input":  # block maps are int32 tensors the runtime builds
                 signature[arg.name] = TORCH_POINTER[named[buffer].dtype] if buffer in named else "*i32"

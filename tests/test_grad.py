@@ -396,8 +396,9 @@ def test_a_training_step_with_a_block_mask_builds_no_block_map_again() -> None:
     """The backward kernels' block maps come from the BlockMask alone: the guard of rows the forward
     left empty (which reads the saved max, new every step) stays arithmetic, so the second step
     finds every map in its cache. Gradients as the dense formula's."""
-    import neptune_fusion.runtime.blockmap as blockmap
     from torch.nn.attention.flex_attention import create_block_mask
+
+    import neptune_fusion.runtime.blockmap as blockmap
 
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 2, 64, 16, dtype=torch.float64) for _ in range(3))

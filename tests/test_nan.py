@@ -341,7 +341,7 @@ def _sources(monkeypatch) -> dict[str, tuple[str, dict]]:
     def spec(tile, named, gluon=False):
         sig, aligned = {}, []
         for arg in tile.args:
-            kind, _, buffer = arg.source.partition(":")
+            kind, buffer = arg.source.kind, arg.source.name
             if arg.kind == "pointer":
                 sig[arg.name] = "*fp16" if kind == "input" and buffer in named else "*fp32"
                 aligned.append(arg.name)

@@ -30,7 +30,7 @@ from neptune_fusion.codegen.triton_source import _BINARY as _BINARY_TRITON
 from neptune_fusion.codegen.triton_source import _FLOAT_BINARY, _NAN_COMBINE_CUDA, _TANH_CUDA, TL_DTYPES, _literal
 from neptune_fusion.codegen.triton_source import _PREAMBLE as _PREAMBLE_TRITON
 from neptune_fusion.codegen.triton_source import _UNARY as _UNARY_TRITON
-from neptune_fusion.tile.ir import Assign, If, Loop, Op, Stmt, Store, TileKernel, TVal
+from neptune_fusion.tile.ir import ArgSource, Assign, If, Loop, Op, Stmt, Store, TileKernel, TVal
 from neptune_fusion.tile.resources import HOPPER_REGISTERS, footprint
 
 ROW_BLOCK = 128  # two consumer warpgroups of 64 rows each
@@ -98,7 +98,7 @@ def _walk(stmts: list[Stmt]):
 
 def _analyse(kernel: TileKernel) -> _Shape:
     # a split-K kernel takes its split count as the size of the split axis (tile/lower.py `_splits`)
-    if kernel.grid_dependency != "none" or any(a.source == "size:split" for a in kernel.args):
+    if kernel.grid_dependency != "none" or any(a.source == ArgSource("size", "split") for a in kernel.args):
         raise _Unsupported("split-K kernels are memory-bound: the Triton backend serves them")
     if kernel.tiled_axes:
         raise _Unsupported(f"axes {kernel.tiled_axes} are tiled across the grid or by inner loops")

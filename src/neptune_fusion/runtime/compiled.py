@@ -884,29 +884,26 @@ class Compiled:
         tile = launch.tile
         sources: list[tuple[bool, Any, bool]] = []  # (from a slot, slot index or the fixed value, a tensor)
         for arg in tile.args:
-            kind, _, rest = arg.source.partition(":")
+            kind, name, dim = arg.source.kind, arg.source.name, arg.source.dim
             if kind in ("input", "param", "scratch"):
-                if rest not in slot:
-                    raise ValueError(f"kernel argument {arg.name!r} reads {rest!r}, which this call does not have")
-                sources.append((True, slot[rest], arg.kind == "pointer"))
+                if name not in slot:
+                    raise ValueError(f"kernel argument {arg.name!r} reads {name!r}, which this call does not have")
+                sources.append((True, slot[name], arg.kind == "pointer"))
             elif kind == "output":
-                sources.append((True, slot[rest.removeprefix("out_")], True))
+                sources.append((True, slot[name.removeprefix("out_")], True))
             elif kind == "size":
-                sources.append((False, sizes[rest], False))
-            elif kind == "stride":
-                buf, _, dim = rest.rpartition(":")
-                if buf in example:
-                    stride = example[buf].stride(int(dim))
-                elif buf in scratch:
-                    stride = math.prod(scratch[buf][0][int(dim) + 1:])  # allocated contiguous
-                elif buf in extras:
-                    stride = extras[buf].stride(int(dim))
+                sources.append((False, sizes[name], False))
+            else:  # a stride
+                assert dim is not None
+                if name in example:
+                    stride = example[name].stride(dim)
+                elif name in scratch:
+                    stride = math.prod(scratch[name][0][dim + 1:])  # allocated contiguous
+                elif name in extras:
+                    stride = extras[name].stride(dim)
                 else:
-                    shape = out_shapes[buf[len("out_"):]]
-                    stride = math.prod(shape[int(dim) + 1:])
+                    stride = math.prod(out_shapes[name[len("out_"):]][dim + 1:])
                 sources.append((False, stride, False))
-            else:
-                raise ValueError(f"unknown kernel argument source {arg.source!r}")
         env: dict[str, Any] = {f"size_{a}": s for a, s in sizes.items()}
         env.update(tile.constexprs)
         env["cdiv"] = lambda a, b: -(-a // b)

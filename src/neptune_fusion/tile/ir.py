@@ -13,7 +13,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, ClassVar, Union
 
 
 @dataclass(frozen=True)
@@ -86,14 +86,40 @@ class If:
 Stmt = Union[Op, Store, Assign, Loop, If]
 
 
+@dataclass(frozen=True)
+class ArgSource:
+    """What the launcher passes for a kernel argument: a buffer's pointer (`kind` "input",
+    "output" or "scratch", `name` the buffer), a scalar parameter ("param"), an axis's extent
+    ("size", `name` the axis) or a buffer's stride ("stride", dim `dim` of buffer `name`).
+
+    Example:
+        >>> str(ArgSource("stride", "q", 2)), ArgSource("size", "k") == ArgSource("size", "k")
+        ('stride:q:2', True)
+    """
+
+    kind: str
+    name: str
+    dim: int | None = None
+
+    KINDS: ClassVar[tuple[str, ...]] = ("input", "output", "scratch", "param", "size", "stride")
+
+    def __post_init__(self) -> None:
+        if self.kind not in self.KINDS:
+            raise ValueError(f"kernel argument source kind must be one of {self.KINDS}, got {self.kind!r}")
+        if (self.kind == "stride") != (self.dim is not None):
+            raise ValueError(f"a {self.kind!r} source {'needs' if self.kind == 'stride' else 'takes no'} dim")
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.name}" + ("" if self.dim is None else f":{self.dim}")
+
+
 @dataclass
 class KernelArg:
     """One kernel parameter: a pointer, an int size/stride, a float/int scalar, or a constexpr."""
 
     name: str
     kind: str  # "pointer" | "int" | "float" | "constexpr"
-    source: str  # what the launcher passes: "input:<name>", "output:<name>", "scratch:<name>",
-    #              "size:<axis>", "stride:<buffer>:<dim>", "param:<name>", "const:<value>"
+    source: ArgSource  # what the launcher passes
 
 
 @dataclass

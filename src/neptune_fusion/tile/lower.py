@@ -56,7 +56,7 @@ from neptune_fusion.ir.expr import (
 from neptune_fusion.ir.program import FusedLoop, Program, Stage
 from neptune_fusion.schedule.pipeline import SPLIT_AXIS
 from neptune_fusion.schedule.tiles import AxisTiling, choose_tiling
-from neptune_fusion.tile.ir import Assign, KernelArg, Loop, Op, Stmt, Store, TileKernel, TVal
+from neptune_fusion.tile.ir import ArgSource, Assign, KernelArg, Loop, Op, Stmt, Store, TileKernel, TVal
 from neptune_fusion.transform.layout import UNIT_ROW
 
 LOG2E = 1.4426950408889634
@@ -241,7 +241,7 @@ class KernelBuilder:
             s |= set(v.axes)
         return self._canon(s)
 
-    def kernel_arg(self, name: str, kind: str, source: str, dtype: str) -> TVal:
+    def kernel_arg(self, name: str, kind: str, source: ArgSource, dtype: str) -> TVal:
         if name not in self.arg_index:
             self.args.append(KernelArg(name, kind, source))
             self.arg_index[name] = TVal(name, (), dtype)
@@ -250,7 +250,7 @@ class KernelBuilder:
     def size(self, axis: str) -> TVal:
         if axis in self.roles.full:
             return TVal(f"SIZE_{axis.upper()}", (), "i32")
-        return self.kernel_arg(f"size_{axis}", "int", f"size:{axis}", "i32")
+        return self.kernel_arg(f"size_{axis}", "int", ArgSource("size", axis), "i32")
 
     def const(self, value: object, scope: _Scope | None = None) -> TVal:
         dtype = "bool" if isinstance(value, bool) else ("i32" if isinstance(value, int) else "f32")
@@ -320,11 +320,11 @@ class KernelBuilder:
             return self.const(expr.value, self.scopes[-1])
         if isinstance(expr, Param) and expr.name.startswith(STRIDE_PREFIX):
             buf, _, dim = expr.name[len(STRIDE_PREFIX):].rpartition(":")
-            return self.kernel_arg(f"stride_{buf}_{dim}", "int", f"stride:{buf}:{dim}", "i32")
+            return self.kernel_arg(f"stride_{buf}_{dim}", "int", ArgSource("stride", buf, int(dim)), "i32")
         if isinstance(expr, Param):
             kind = self.program.param_kinds.get(expr.name, "float")
             return self.kernel_arg(f"param_{expr.name}", "int" if kind == "int" else "float",
-                                   f"param:{expr.name}", "i32" if kind == "int" else "f32")
+                                   ArgSource("param", expr.name), "i32" if kind == "int" else "f32")
         if isinstance(expr, Size):
             return self.size(expr.axis)
         if isinstance(expr, Index):
@@ -429,7 +429,7 @@ class KernelBuilder:
             v = ctx.valid.get(axis)
             if v is not None:
                 mask = v if mask is None else self.bin("and", mask, v)
-        self.kernel_arg(f"{expr.buffer}_ptr", "pointer", f"input:{expr.buffer}", "ptr")
+        self.kernel_arg(f"{expr.buffer}_ptr", "pointer", ArgSource("input", expr.buffer), "ptr")
         dtype = self.config.input_dtypes[expr.buffer]
         zero = self.const(0)
         args = (base or zero, offset or zero) + ((mask,) if mask is not None else ())
@@ -460,8 +460,9 @@ class KernelBuilder:
         key = ("desc", expr.buffer, outer.axis, d_outer)
         if key not in self.descriptors:
             base = self.emit(scalar, _Ctx({}, {}, {}, {}, False)) if scalar is not None else self.const(0)
-            self.kernel_arg(f"{expr.buffer}_ptr", "pointer", f"input:{expr.buffer}", "ptr")
-            stride = self.kernel_arg(f"stride_{expr.buffer}_{d_outer}", "int", f"stride:{expr.buffer}:{d_outer}", "i32")
+            self.kernel_arg(f"{expr.buffer}_ptr", "pointer", ArgSource("input", expr.buffer), "ptr")
+            stride = self.kernel_arg(f"stride_{expr.buffer}_{d_outer}", "int", ArgSource("stride", expr.buffer, d_outer),
+                                     "i32")
             self.descriptors[key] = self.op(
                 "make_desc", (), "desc", (base, self.size(outer.axis), stride), scope=self.scopes[0], prefix="desc",
                 buffer=expr.buffer, block=(self.block[outer.axis], self.block[inner.axis]),
@@ -693,7 +694,7 @@ class KernelBuilder:
             grid.append(self._splits().name)
         # neither the loop's length nor the split count (a run-time argument, not a constexpr) selects
         # a compiled kernel: a decode loop over a growing KV cache runs one kernel for every length
-        varying = (f"size:{roles.col}", f"size:{SPLIT_AXIS}")
+        varying = (ArgSource("size", roles.col), ArgSource("size", SPLIT_AXIS))
         return TileKernel(self.name, self.args, roles.tile_axes, self.block, grid, self.body, cfg.num_warps,
                           cfg.num_stages, self.constexprs, list(cfg.notes),
                           do_not_specialize=[a.name for a in self.args if a.source in varying],
@@ -1108,7 +1109,7 @@ class KernelBuilder:
     def _splits(self) -> TVal:
         """The split count of a split-K kernel: a run-time argument (the launcher passes the plan's
         count as the size of the split axis), so every split count runs one compiled kernel."""
-        return self.kernel_arg(f"size_{SPLIT_AXIS}", "int", f"size:{SPLIT_AXIS}", "i32")
+        return self.kernel_arg(f"size_{SPLIT_AXIS}", "int", ArgSource("size", SPLIT_AXIS), "i32")
 
     def _split_id(self) -> TVal:
         """This program's split (grid axis 2), read once per kernel."""
@@ -1132,7 +1133,7 @@ class KernelBuilder:
             if v is not None:
                 mask = v if mask is None else self.bin("and", mask, v)
         kind = "scratch" if scratch else "output"
-        self.kernel_arg(f"{buffer}_ptr", "pointer", f"{kind}:{buffer}", "ptr")
+        self.kernel_arg(f"{buffer}_ptr", "pointer", ArgSource(kind, buffer), "ptr")
         axes_all = self._canon(set(value.axes) | set(offset.axes))
         if offset.axes != axes_all:
             offset = self.bin("add", offset, self.op("full", axes_all, "i32", prefix="z", value=0))

@@ -226,7 +226,7 @@ def footprint(kernel: TileKernel) -> Footprint:
     in_loops = [st for loop in _walk(kernel.body) if isinstance(loop, Loop) for st in _deep(loop.body)]
     loop_dots = [st for st in in_loops if isinstance(st, Op) and st.kind == "dot"]
     dot_operands = {id(op) for d in defs.values() if d.kind == "dot" for op in loaded_operands(d)}
-    scratch_buffers = {a.source.partition(":")[2] for a in kernel.args if a.source.startswith("scratch:")}
+    scratch_buffers = {a.source.name for a in kernel.args if a.source.kind == "scratch"}
 
     def loop_use(loop: Loop) -> LoopUse:
         body = list(_walk(loop.body))
