@@ -14,7 +14,6 @@ Example:
 
 from __future__ import annotations
 
-import builtins
 import functools
 import hashlib
 import importlib.util
@@ -904,10 +903,9 @@ class Compiled:
                 else:
                     stride = math.prod(out_shapes[name[len("out_"):]][dim + 1:])
                 sources.append((False, stride, False))
-        env: dict[str, Any] = {f"size_{a}": s for a, s in sizes.items()}
+        env: dict[str, int] = {f"size_{a}": s for a, s in sizes.items()}
         env.update(tile.constexprs)
-        env["cdiv"] = lambda a, b: -(-a // b)
-        grid = tuple(int(eval(_grid_code(g), {"__builtins__": {}}, env)) for g in tile.grid)  # noqa: S307 - ours
+        grid = tuple(dim.value(env) for dim in tile.grid)
         return (launch.fn, grid, sources, dict(tile.constexprs), tile.num_warps, tile.num_stages,
                 tile.grid_dependency == "dependent")
 
@@ -1004,10 +1002,6 @@ def _binder(parts: str) -> Callable[[tuple[Any, ...]], Callable[[list[Any]], tup
 
 
 @functools.lru_cache(maxsize=1024)
-def _grid_code(expression: str) -> Any:
-    return builtins.compile(expression, "<grid>", "eval")  # this module's `compile` is nf.compile
-
-
 def _hooked(hook: Any) -> bool:
     """Whether a Triton launch hook would do anything (a HookChain with no calls does nothing)."""
     return hook is not None and bool(getattr(hook, "calls", True))

@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Union
 
@@ -113,6 +114,45 @@ class ArgSource:
         return f"{self.kind}:{self.name}" + ("" if self.dim is None else f":{self.dim}")
 
 
+@dataclass(frozen=True)
+class GridFactor:
+    """One factor of a grid dimension: the value of `size` (an axis's size argument `size_<axis>`
+    or a held axis's constexpr `SIZE_<AXIS>`), or with `block` (a block-size constexpr) the number
+    of blocks covering it, cdiv(size, block)."""
+
+    size: str
+    block: str | None = None
+
+    def value(self, env: dict[str, int]) -> int:
+        n = env[self.size]
+        return n if self.block is None else -(-n // env[self.block])
+
+    def __str__(self) -> str:
+        return self.size if self.block is None else f"cdiv({self.size}, {self.block})"
+
+
+@dataclass(frozen=True)
+class GridDim:
+    """One grid dimension, the product of its factors (1 when it has none).
+
+    Example:
+        >>> dim = GridDim((GridFactor("size_q", "BLOCK_R"), GridFactor("size_h")))
+        >>> str(dim), dim.value({"size_q": 100, "BLOCK_R": 32, "size_h": 8})
+        ('cdiv(size_q, BLOCK_R) * size_h', 32)
+    """
+
+    factors: tuple[GridFactor, ...] = ()
+
+    def value(self, env: dict[str, int]) -> int:
+        return math.prod(f.value(env) for f in self.factors)
+
+    def times(self, factor: GridFactor) -> GridDim:
+        return GridDim((*self.factors, factor))
+
+    def __str__(self) -> str:
+        return " * ".join(map(str, self.factors)) or "1"
+
+
 @dataclass
 class KernelArg:
     """One kernel parameter: a pointer, an int size/stride, a float/int scalar, or a constexpr."""
@@ -130,7 +170,7 @@ class TileKernel:
     args: list[KernelArg]
     tile_axes: tuple[str, ...]
     block_sizes: dict[str, str]  # tile axis -> constexpr name of its block size
-    grid: list[str]  # launcher expressions per grid dimension, over sizes and constexprs
+    grid: list[GridDim]  # per grid dimension, over sizes and constexprs
     body: list[Stmt]
     num_warps: int
     num_stages: int
@@ -148,7 +188,7 @@ class TileKernel:
 
 def format_tile_kernel(kernel: TileKernel) -> str:
     """Readable text of a tile kernel (for `explain`)."""
-    lines = [f"tile kernel {kernel.name}: grid ({', '.join(kernel.grid)}), tile axes {kernel.tile_axes}, "
+    lines = [f"tile kernel {kernel.name}: grid ({', '.join(map(str, kernel.grid))}), tile axes {kernel.tile_axes}, "
              f"blocks {kernel.constexprs}, warps {kernel.num_warps}, stages {kernel.num_stages}"]
     lines.extend(f"  note: {n}" for n in kernel.notes)
 

@@ -56,7 +56,19 @@ from neptune_fusion.ir.expr import (
 from neptune_fusion.ir.program import FusedLoop, Program, Stage
 from neptune_fusion.schedule.pipeline import SPLIT_AXIS
 from neptune_fusion.schedule.tiles import AxisTiling, choose_tiling
-from neptune_fusion.tile.ir import ArgSource, Assign, KernelArg, Loop, Op, Stmt, Store, TileKernel, TVal
+from neptune_fusion.tile.ir import (
+    ArgSource,
+    Assign,
+    GridDim,
+    GridFactor,
+    KernelArg,
+    Loop,
+    Op,
+    Stmt,
+    Store,
+    TileKernel,
+    TVal,
+)
 from neptune_fusion.transform.layout import UNIT_ROW
 
 LOG2E = 1.4426950408889634
@@ -657,14 +669,15 @@ class KernelBuilder:
         # program ids: rows (heaviest tiles first), flattened batch, split
         n_rows = self.size(roles.row)
         n_tiles = self.op("cdiv", (), "i32", (n_rows,), prefix="ntiles", block="BLOCK_R")
-        batch = " * ".join(f"size_{a}" for a in roles.batch) or "1"
+        row_tiles = GridFactor(f"size_{roles.row}", "BLOCK_R")
+        batch = tuple(GridFactor(f"size_{a}") for a in roles.batch)
         if cfg.grid_group is not None:
             pid_r, pid_b = self._grouped_program_ids(n_tiles, cfg.grid_group)
-            grid = [f"cdiv(size_{roles.row}, BLOCK_R) * ({batch})", "1"]
+            grid = [GridDim((row_tiles, *batch)), GridDim()]
         else:
             pid_r = self.op("program_id", (), "i32", prefix="pid", dim=0)
             pid_b = self.op("program_id", (), "i32", prefix="pid", dim=1)
-            grid = [f"cdiv(size_{roles.row}, BLOCK_R)", batch]
+            grid = [GridDim((row_tiles,)), GridDim(batch)]
         last = self.bin("sub", n_tiles, self.const(1))
         row_tile = self.bin("sub", last, pid_r)
         r0 = self.bin("mul", row_tile, TVal("BLOCK_R", (), "i32"))
@@ -691,7 +704,7 @@ class KernelBuilder:
                 self._emit_loop(start, stop, masked, state, valid, comment)
         self._emit_outputs(state, valid)
         if cfg.splits > 1:
-            grid.append(self._splits().name)
+            grid.append(GridDim((GridFactor(self._splits().name),)))
         # neither the loop's length nor the split count (a run-time argument, not a constexpr) selects
         # a compiled kernel: a decode loop over a growing KV cache runs one kernel for every length
         varying = (ArgSource("size", roles.col), ArgSource("size", SPLIT_AXIS))
@@ -700,7 +713,7 @@ class KernelBuilder:
                           do_not_specialize=[a.name for a in self.args if a.source in varying],
                           tiled_axes=self.tiling.grid + self.tiling.loops)
 
-    def _grid_tiles(self, pid_b: TVal, grid: list[str]) -> TVal:
+    def _grid_tiles(self, pid_b: TVal, grid: list[GridDim]) -> TVal:
         """Peel the tile index of each grid-tiled axis off the batch program id (innermost first)
         and widen grid axis 1 to match; what remains indexes the batch."""
         rest = pid_b
@@ -712,7 +725,7 @@ class KernelBuilder:
             tiles = self.op("cdiv", (), "i32", (self.size(axis),), prefix="ntiles", block=block)
             self.tile_start[axis] = self.bin("mul", self.bin("mod", rest, tiles), TVal(block, (), "i32"))
             rest = self.bin("floordiv", rest, tiles)
-            grid[1] = f"{grid[1]} * cdiv(SIZE_{axis.upper()}, {block})"
+            grid[1] = grid[1].times(GridFactor(f"SIZE_{axis.upper()}", block))
             self.config.notes.append(
                 f"axis {axis!r} ({self.config.full_sizes[axis]}) tiled across the grid in blocks of "
                 f"{self.tiling.block(axis)}: values not indexed by it are recomputed by every program")
