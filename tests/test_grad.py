@@ -415,3 +415,14 @@ def test_a_training_step_with_a_block_mask_builds_no_block_map_again() -> None:
     s = (ref[0] @ ref[1].transpose(-1, -2) / 4.0).masked_fill(~(i >= j + 3), -math.inf)
     want = torch.autograd.grad(torch.softmax(s, -1).nan_to_num(0.0) @ ref[2], ref, seed)
     assert_grads(got, want, tol=1e-4)
+
+
+def test_contraction_letters_never_collide() -> None:
+    """Axes named by one letter keep it in the einsum; longer names take letters no axis uses."""
+    from neptune_fusion.ir.expr import Binary, Index, Load, Reduce
+    from neptune_fusion.ir.program import Stage
+    from neptune_fusion.schedule.materialise import _contraction
+
+    body = Reduce("sum", "d", Binary("mul", Load("G", (Index("d"), Index("v"))), Load("x", (Index("d"), Index("hd")))))
+    contraction = _contraction("output:0", Stage("g", ("v", "hd"), body), "v", frozenset({"x"}))
+    assert contraction.spec == "dv,da->va" and contraction.operand_axes == ("d", "hd")

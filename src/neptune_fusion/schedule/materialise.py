@@ -27,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import math
+import string
 from dataclasses import dataclass, replace
 from typing import Sequence
 
@@ -184,12 +185,14 @@ def _contraction(result: str, stage: Stage, axis: str, inputs: frozenset[str]) -
     letters: dict[str, str] = {}
 
     def spell(indices: Sequence[Expr]) -> str:
-        return "".join(letters.setdefault(i.axis, "abcdefghijklmnopqrstuvwxyz"[len(letters)])  # type: ignore[attr-defined]
-                       for i in indices)
+        for i in indices:
+            if i.axis not in letters:  # type: ignore[attr-defined]
+                letters[i.axis] = next(c for c in string.ascii_letters if c not in letters.values())  # type: ignore[attr-defined]
+        return "".join(letters[i.axis] for i in indices)  # type: ignore[attr-defined]
 
     names = [i.axis for i in shared.index] + [i.axis for i in operand.index] + list(stage.axes)  # type: ignore[attr-defined]
     for name in names:  # letters as the axes' own names where they are single letters, for reading
-        if len(name) == 1 and name not in letters and name not in letters.values():
+        if len(name) == 1 and name in string.ascii_letters and name not in letters.values():
             letters[name] = name
     spec = f"{spell(shared.index)},{spell(operand.index)}->{spell([Index(a) for a in stage.axes])}"
     operand_axes = tuple(i.axis for i in operand.index)  # type: ignore[attr-defined]
