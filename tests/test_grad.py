@@ -426,3 +426,13 @@ def test_contraction_letters_never_collide() -> None:
     body = Reduce("sum", "d", Binary("mul", Load("G", (Index("d"), Index("v"))), Load("x", (Index("d"), Index("hd")))))
     contraction = _contraction("output:0", Stage("g", ("v", "hd"), body), "v", frozenset({"x"}))
     assert contraction.spec == "dv,da->va" and contraction.operand_axes == ("d", "hd")
+
+
+def test_explain_shows_the_chunked_backward() -> None:
+    """nf.explain(..., backward=True) says which kernels no plan computes, and how they run instead."""
+    h = torch.randn(8, 600, requires_grad=True)
+    w = torch.randn(300, 600, requires_grad=True)
+    text = nf.explain(linear_cross_entropy, h, w, torch.randint(0, 300, (8,)), backward=True)
+    assert "(no kernel plan computes it: [tile planning] stage 'grad_w_part'" in text
+    assert "=== materialised a chunk at a time: grad_dot0['i', 'v'] over 'v'" in text
+    assert "einsum('iv,vd->id', grad_dot0 chunk, w) summed over the chunks" in text

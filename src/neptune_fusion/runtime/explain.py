@@ -23,10 +23,12 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from neptune_fusion.ir.errors import FusionError
 from neptune_fusion.ir.printer import format_program
 from neptune_fusion.ir.program import Program
 from neptune_fusion.lang.trace import ProgramDef
 from neptune_fusion.runtime.compiled import Compiled
+from neptune_fusion.schedule.partition import Group
 from neptune_fusion.schedule.templates import Schedule
 from neptune_fusion.tile.ir import format_tile_kernel
 
@@ -90,7 +92,6 @@ def explain(program: ProgramDef | Program | Compiled | Callable[..., Any], *args
 
 def _explain_backward(program: Program, named: dict[str, Any], schedule: Schedule | None, forward: str) -> str:
     """The forward's explanation, then the derived backward: its record, program and kernels."""
-    import torch
 
     from neptune_fusion.analysis.chains import chain_axis
     from neptune_fusion.runtime.reference import axis_extents
@@ -105,19 +106,58 @@ def _explain_backward(program: Program, named: dict[str, Any], schedule: Schedul
            f"saved by the forward: {list(gradient.saved)}; recovered from outputs: {list(gradient.recovered)}",
            f"stabilisers proved gradient-free: {list(gradient.free_stabilisers)}; held axes: {sorted(gradient.held)}",
            "", format_program(gradient.backward), ""]
-    sizes = axis_extents(program, named)
-    example = next(named[n] for n in floats)
+    stand_ins = _stand_ins(gradient.backward, named, sizes_of=program)
+    sizes = axis_extents(gradient.backward, {**named, **stand_ins})
+    unplanned: list[tuple[Group, FusionError]] = []
     for i, group in enumerate(partition_loops(gradient.backward, gradient.held)):
         args: dict[str, Any] = {p: named[p] for p in group.program.params}
-        for buf in group.program.inputs:
-            if buf.name in named:
-                args[buf.name] = named[buf.name]
-            else:  # saved statistics, output gradients and other kernels' results: random stand-ins
-                shape = [sizes.get(a, 1) if a else 1 for a in buf.dims]
-                args[buf.name] = torch.randn(shape, device=example.device, dtype=torch.float32)
+        args.update({b.name: named[b.name] if b.name in named else stand_ins[b.name] for b in group.program.inputs})
         out.append(f"=== backward kernel {i}: {group.program.name} (results {list(group.results)}) ===")
         if chain_axis(group.program) is None:  # what integrations/autograd.py runs unfused
             out.append("(no reduction: torch's element-wise kernels run it)\n" + format_program(group.program))
-        else:
+            continue
+        try:
             out.append(explain(group.program, **args, schedule=None))
+        except FusionError as exc:
+            out.append(f"(no kernel plan computes it: {exc})")
+            unplanned.append((group, exc))
+    if unplanned:
+        out.append(_explain_chunked([g for g, _ in unplanned], sizes, {**named, **stand_ins}))
     return "\n".join(out)
+
+
+def _stand_ins(backward: Program, named: dict[str, Any], sizes_of: Program) -> dict[str, Any]:
+    """Random fp32 tensors for the backward's inputs the call does not have (saved statistics,
+    output gradients, other kernels' results), shaped by the forward's axis sizes."""
+    import torch
+
+    from neptune_fusion.runtime.reference import axis_extents
+
+    sizes = axis_extents(sizes_of, named)
+    example = next(v for v in named.values() if isinstance(v, torch.Tensor) and v.is_floating_point())
+    return {b.name: torch.randn([sizes.get(a, 1) if a else 1 for a in b.dims], device=example.device,
+                                dtype=torch.float32)
+            for b in backward.inputs if b.name not in named}
+
+
+def _explain_chunked(groups: list[Group], sizes: dict[str, int], args: dict[str, Any]) -> str:
+    """How the kernels no plan computes run instead (schedule/materialise.py), or why they cannot."""
+    from neptune_fusion.schedule.materialise import OFFSET_PARAM, chunk_length, materialise
+
+    try:
+        plan = materialise(groups, sizes)
+    except FusionError as exc:
+        return f"=== no chunked plan either: {exc} ==="
+    example = args[plan.contractions[0].operand]
+    length = chunk_length(plan, sizes, example.element_size())
+    lines = [f"=== materialised a chunk at a time: {plan.shared}{list(plan.producer.stage(plan.shared).axes)} "
+             f"over {plan.axis!r}, {length} of {sizes[plan.axis]} a chunk ===",
+             *(f"{c.result}: einsum({c.spec!r}, {plan.shared} chunk, {c.operand})"
+               f"{' summed over the chunks' if c.over_chunk else ' a slice per chunk'}" for c in plan.contractions)]
+    cut = dict(plan.sliced)
+    chunk = {b.name: args[b.name].narrow(cut[b.name], 0, length) if b.name in cut else args[b.name]
+             for b in plan.producer.inputs}
+    chunk.update({p: args[p] for p in plan.producer.params if p != OFFSET_PARAM})
+    chunk[OFFSET_PARAM] = 0
+    lines.append(explain(plan.producer, **chunk, schedule=None))
+    return "\n".join(lines)
