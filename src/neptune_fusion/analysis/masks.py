@@ -161,9 +161,9 @@ def conjuncts(cond: Expr) -> list[Expr]:
     return [cond]
 
 
-def _disjuncts(cond: Expr) -> list[Expr]:
+def disjuncts(cond: Expr) -> list[Expr]:
     if isinstance(cond, Binary) and cond.op == "or":
-        return _disjuncts(cond.a) + _disjuncts(cond.b)
+        return disjuncts(cond.a) + disjuncts(cond.b)
     return [cond]
 
 
@@ -291,7 +291,7 @@ def _masked_value(w: Where) -> Const:
 
 def _union_of(cond: Expr, row: str, col: str, int_params: set[str]) -> tuple[tuple[Constraint, ...], ...] | None:
     """An OR of conjunctions of affine constraints, as boxes; None if any part is not affine."""
-    parts = _disjuncts(cond)
+    parts = disjuncts(cond)
     if len(parts) < 2:
         return None
     boxes = []

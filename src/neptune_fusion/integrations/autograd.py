@@ -68,7 +68,6 @@ class Chunked:
     def __init__(self, plan: Materialised, allow_fallback: bool) -> None:
         self.plan = plan
         self.producer = Compiled(FixedProgram(plan.producer), Auto(), allow_fallback)
-        self.results = plan.results
         names = {b.name for b in plan.producer.inputs} | {c.operand for c in plan.contractions}
         self.inputs = tuple(sorted(names))
         self.params = tuple(p for p in plan.producer.params if p != OFFSET_PARAM)
@@ -102,7 +101,8 @@ class Chunked:
         length = self._length(named, sizes)
         dtype = named[plan.contractions[0].operand].dtype
         device = named[plan.contractions[0].operand].device
-        accumulator = torch.float32 if accumulates_in_fp32(plan, sizes, torch.empty((), dtype=dtype).element_size()) else dtype
+        itemsize = named[plan.contractions[0].operand].element_size()
+        accumulator = torch.float32 if accumulates_in_fp32(plan, sizes, itemsize) else dtype
         outs: list[torch.Tensor] = []
         for c, axes in zip(plan.contractions, plan.result_axes):
             shape = [sizes[a] for a in axes]

@@ -839,8 +839,9 @@ class Compiled:
         csizes = dict(sizes)
         csizes[SPLIT_AXIS] = exe.plan.splits
         kernels = [exe.main] if exe.combine is None else [exe.main, exe.combine]
-        launchers = [_FastLaunch(*self._arg_plan(k, csizes, slot, scratch, example, out_shapes, extras))
-                     for k in kernels]
+        interpreted = exe.record.options.interpreter if exe.record is not None else interpreter_mode()
+        launchers = [_FastLaunch(*self._arg_plan(k, csizes, slot, scratch, example, out_shapes, extras),
+                                 interpreted=interpreted) for k in kernels]
         allocs = [(alloc_shape[name], out_dtypes[name]) for name in out_shapes]
         results = [(slot[stage], None if shape == alloc_shape[stage] else shape) for stage, shape in returned]
         single = results[0][0] if len(results) == 1 and results[0][1] is None else None
@@ -941,8 +942,9 @@ class _FastLaunch:
     """
 
     def __init__(self, fn: Any, grid: tuple[int, ...], sources: list[tuple[bool, Any, bool]], constexprs: dict[str, int],
-                 warps: int, stages: int, dependent_launch: bool = False) -> None:
+                 warps: int, stages: int, dependent_launch: bool = False, interpreted: bool = False) -> None:
         self.fn, self.constexprs = fn, constexprs
+        self.interpreted = interpreted  # Triton's interpreter has no compiled launcher to keep
         # compiled with launch_pdl: every launch then carries the programmatic-dependent attribute
         self.options = {"launch_pdl": True} if dependent_launch else {}
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
@@ -984,7 +986,7 @@ class _FastLaunch:
         args = self.bind(slots)[:self.n_args]
         kernel = self.fn[self.grid](*args, **self.constexprs, num_warps=self.warps, num_stages=self.stages,
                                     **self.options)
-        if interpreter_mode() or not (hasattr(kernel, "run") and hasattr(kernel, "packed_metadata")):
+        if self.interpreted or not (hasattr(kernel, "run") and hasattr(kernel, "packed_metadata")):
             return
         self.kernel = kernel
         self.device = torch.cuda.current_device()  # the caller made the inputs' GPU current

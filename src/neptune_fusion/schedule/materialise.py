@@ -44,7 +44,7 @@ from neptune_fusion.ir.expr import (
     walk,
 )
 from neptune_fusion.ir.program import OutputSpec, Program, Stage
-from neptune_fusion.schedule.partition import Group
+from neptune_fusion.schedule.partition import Group, needed_stages
 
 PASS = "materialise"
 OFFSET_PARAM = "chunk_start"
@@ -61,7 +61,6 @@ class Contraction:
     (accumulated across chunks) and the constant factor of its product."""
 
     result: str
-    stage: str
     spec: str
     operand: str
     operand_axes: tuple[str, ...]
@@ -196,20 +195,16 @@ def _contraction(result: str, stage: Stage, axis: str, inputs: frozenset[str]) -
             letters[name] = name
     spec = f"{spell(shared.index)},{spell(operand.index)}->{spell([Index(a) for a in stage.axes])}"
     operand_axes = tuple(i.axis for i in operand.index)  # type: ignore[attr-defined]
-    return Contraction(result, stage.name, spec, operand.buffer, operand_axes, stage.body.axis == axis, scale)
+    return Contraction(result, spec, operand.buffer, operand_axes, stage.body.axis == axis, scale)
 
 
 def _producer(program: Program, shared: str, axis: str) -> tuple[Program, tuple[tuple[str, int], ...]]:
     """The program computing `shared` for a chunk of `axis`: inputs indexed by the axis at a dim are
     cut there; elsewhere (comparisons, computed indices) the axis is offset by the chunk's start."""
-    needed = {shared}
-    stages: list[Stage] = []
-    for node in reversed(program.stages):
-        if not isinstance(node, Stage):
-            raise FusionError(PASS, shared, "producer", "the program is already fused")
-        if node.name in needed:
-            stages.insert(0, node)
-            needed |= node.reads()
+    if not all(isinstance(node, Stage) for node in program.stages):
+        raise FusionError(PASS, shared, "producer", "the program is already fused")
+    stages = needed_stages(list(program.stages), {shared})  # type: ignore[arg-type]
+    needed = {shared}.union(*(st.reads() for st in stages))
     sliced = tuple((b.name, b.dims.index(axis)) for b in program.inputs if axis in b.dims and b.name in needed)
     cut = {name for name, _ in sliced}
     staged = {st.name for st in stages}

@@ -122,7 +122,7 @@ def _split(program: Program, late: set[str]) -> tuple[Group, Group]:
     mats = [Stage(f"{MATERIALISED_PREFIX}{n}", stages[n].axes,
                   Cast(Load(n, tuple(Index(a) for a in stages[n].axes)), "f32")) for n in boundary]
     first_outputs = [o for _, o in early_out] + [OutputSpec(m.name, m.axes) for m in mats]
-    first_stages = _needed([st for st in program.stages if isinstance(st, Stage) and st.name not in late] + mats,
+    first_stages = needed_stages([st for st in program.stages if isinstance(st, Stage) and st.name not in late] + mats,
                            {o.stage for o in first_outputs})
     first = _program(program, f"{program.name}_part1", first_stages, first_outputs, [])
     second_stages = [st for st in program.stages if isinstance(st, Stage) and (st.name in late or st.name in copied)]
@@ -132,7 +132,7 @@ def _split(program: Program, late: set[str]) -> tuple[Group, Group]:
             Group(second, tuple(f"output:{j}" for j, _ in late_out)))
 
 
-def _needed(stages: list[Stage], roots: set[str]) -> list[Stage]:
+def needed_stages(stages: list[Stage], roots: set[str]) -> list[Stage]:
     """The stages `roots` depend on, in order (dead stages of a group left out)."""
     by_name = {st.name: st for st in stages}
     keep: set[str] = set()

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 from neptune_fusion.algebra import symbolic
 from neptune_fusion.analysis.chains import find_chains
+from neptune_fusion.analysis.masks import disjuncts
 from neptune_fusion.ir.errors import FusionError
 from neptune_fusion.ir.expr import (
     Binary,
@@ -453,15 +454,9 @@ def _guard(zero: Expr, expr: Expr) -> Expr:
     """`where(zero, 0, expr)`, one where per disjunct of `zero`: a mask's condition and a row's
     (rows the forward left empty) stay apart, so the mask analysis sees the mask alone and the
     row's guard, which can skip no tile, stays arithmetic instead of making block maps per row."""
-    for part in reversed(_disjuncts(zero)):
+    for part in reversed(disjuncts(zero)):
         expr = Where(part, Const(0.0), expr)
     return expr
-
-
-def _disjuncts(cond: Expr) -> list[Expr]:
-    if isinstance(cond, Binary) and cond.op == "or":
-        return _disjuncts(cond.a) + _disjuncts(cond.b)
-    return [cond]
 
 
 def _and(a: Expr, b: Expr) -> Expr:
