@@ -211,7 +211,7 @@ def test_separate_combine_uses_programmatic_dependent_launch_on_hopper(monkeypat
     # the CUDA target, compiled on this machine without loading the kernels
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the switches the compile reads (runtime/options.py)
     monkeypatch.setattr(compiled, "_check_tensors", lambda p, a, i: torch.device("cuda"))
-    monkeypatch.setattr(compiled, "_load_kernel", lambda source, name: None)
+    monkeypatch.setattr(compiled, "_load_kernel", lambda source, name, directory: None)
     monkeypatch.setattr(compiled, "_num_sms", lambda device: 132)
     monkeypatch.setattr(compiled, "_tma_buffers", lambda *args: frozenset())
     monkeypatch.setattr(compiled, "_supports_dependent_launch", lambda device: True)

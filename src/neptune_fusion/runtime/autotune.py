@@ -36,9 +36,9 @@ last_report: list[dict[str, Any]] = []  # the candidates timed by the latest tun
 
 
 def _store_path() -> Any:
-    from neptune_fusion.runtime.compiled import cache_dir
+    from neptune_fusion.runtime.options import Options
 
-    return cache_dir() / "autotune.json"
+    return Options.from_environment().kernel_directory() / "autotune.json"
 
 
 def _load_store() -> dict[str, Any]:

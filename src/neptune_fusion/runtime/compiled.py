@@ -68,13 +68,6 @@ def interpreter_mode() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def cache_dir() -> Path:
-    """Where generated kernel sources are kept (NEPTUNE_FUSION_CACHE_DIR overrides)."""
-    path = Path(os.environ.get("NEPTUNE_FUSION_CACHE_DIR", Path.home() / ".cache" / "neptune_fusion"))
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
 def kernel_name(program_name: str) -> str:
     """The kernel's name for a program: a Python identifier (and a plain file name) whatever the
     program is called (`nf.program(lambda x: ...)` is named "<lambda>").
@@ -86,9 +79,9 @@ def kernel_name(program_name: str) -> str:
     return "nf_" + re.sub(r"\W", "_", program_name, flags=re.ASCII)
 
 
-def _load_kernel(source: str, name: str) -> Callable[..., Any]:
+def _load_kernel(source: str, name: str, directory: Path) -> Callable[..., Any]:
     digest = hashlib.sha256(source.encode()).hexdigest()[:20]
-    path = cache_dir() / f"{name}_{digest}.py"
+    path = directory / f"{name}_{digest}.py"
     if not path.exists():
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(source)
@@ -618,7 +611,7 @@ class Compiled:
             if dependent_launch:
                 ctile.grid_dependency = "dependent"
             csource = generate(ctile, target)
-            combine = KernelLaunch(ctile, csource, _load_kernel(csource, ctile.name), cfused)
+            combine = KernelLaunch(ctile, csource, _load_kernel(csource, ctile.name, options.kernel_directory()), cfused)
         def lowered() -> TileKernel:
             tile = lower(fused, config, name)
             if prefetch_index:
@@ -659,7 +652,7 @@ class Compiled:
                     return exe
             tile.notes.append(f"backend: {why}")
             source = generate(tile, target)
-        main = KernelLaunch(tile, source, _load_kernel(source, name), fused, backend)
+        main = KernelLaunch(tile, source, _load_kernel(source, name, options.kernel_directory()), fused, backend)
         exe = Executable(steps, plan, main, combine, combine_steps, masks if use_block_map else None, ctile,
                          record=record)
         self._cache[key] = exe

@@ -20,7 +20,8 @@ Example:
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Mapping
 
 BACKENDS = ("auto", "triton", "gluon")
@@ -34,12 +35,14 @@ class Options:
     or "gluon", which raises where it cannot), `tma` (NEPTUNE_FUSION_TMA: "auto" reads aligned
     tiles through tensor descriptors on Hopper, "0" never, "force" also in the interpreter) and
     `grid_group` (NEPTUNE_FUSION_GRID_GROUP=N: N heads walk their row tiles interleaved; None:
-    derived from the shapes)."""
+    derived from the shapes); `cache_dir` (NEPTUNE_FUSION_CACHE_DIR: where generated kernel
+    sources and tuning results are kept; empty: ~/.cache/neptune_fusion)."""
 
     interpreter: bool = False
     backend: str = "auto"
     tma: str = "auto"
     grid_group: int | None = None
+    cache_dir: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -61,7 +64,14 @@ class Options:
         return cls(interpreter=env.get("TRITON_INTERPRET", "0") == "1",
                    backend=env.get("NEPTUNE_FUSION_BACKEND", "auto"),
                    tma=env.get("NEPTUNE_FUSION_TMA", "auto"),
-                   grid_group=None if group is None else int(group))
+                   grid_group=None if group is None else int(group),
+                   cache_dir=env.get("NEPTUNE_FUSION_CACHE_DIR", ""))
+
+    def kernel_directory(self) -> Path:
+        """`cache_dir` (or the default), created if missing."""
+        path = Path(self.cache_dir) if self.cache_dir else Path.home() / ".cache" / "neptune_fusion"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
 
 
 __all__ = ["Options"]
