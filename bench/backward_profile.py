@@ -10,6 +10,9 @@ kernel's mean time per step, its share and its launches per step.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 from typing import Any, Callable
 
 import torch
@@ -18,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import neptune_fusion as nf
 from bench.backward import DIM, HEADS, case_mods, fa4, fwd_bwd
-from bench.common import environment, warm_up_gpu, write_results
+from bench.common import bench, environment, warm_up_gpu, write_results
 
 
 def kernels_of(step: Callable[[], Any], steps: int) -> list[dict[str, Any]]:
@@ -38,6 +41,36 @@ def kernels_of(step: Callable[[], Any], steps: int) -> list[dict[str, Any]]:
         rows.append({"kernel": event.key[:120], "us": device_us / steps, "calls": event.count / steps})
     rows.sort(key=lambda r: -r["us"])
     return rows
+
+
+def host_profile(step: Callable[[], Any], steps: int = 3) -> str:
+    """The Python functions of `steps` calls, by cumulative time (what the host does between kernels)."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(25)
+    return text.getvalue()
+
+
+def linear_ce_step(tokens: int = 8192, hidden: int = 4096, vocab: int = 128256) -> Callable[[], Any]:
+    """Linear cross-entropy fwd+bwd at Llama-3 sizes (bf16), as bench/linear_ce.py runs it."""
+    from neptune_fusion.library import linear_cross_entropy
+
+    torch.manual_seed(0)
+    h = torch.randn(tokens, hidden, device="cuda").bfloat16().requires_grad_()
+    w = (torch.randn(vocab, hidden, device="cuda") * 0.02).bfloat16().requires_grad_()
+    target = torch.randint(0, vocab, (tokens,), device="cuda")
+    seed = torch.randn(tokens, device="cuda")
+    loss = nf.compile(linear_cross_entropy)
+
+    def run() -> Any:
+        out = loss(h, w, target)
+        return torch.autograd.grad(out, (h, w), seed.to(out.dtype))
+    return run
 
 
 def systems(case: str, seq: int, dtype: torch.dtype) -> dict[str, Callable[[], Any]]:
@@ -71,21 +104,34 @@ def main() -> None:
     ap.add_argument("--cases", nargs="+", default=["causal", "global"])
     ap.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--linear-ce", action="store_true", help="also linear cross-entropy at Llama-3 sizes")
     args = ap.parse_args()
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     warm_up_gpu()
-    rows = []
+    rows: list[dict[str, Any]] = []
+
+    def record(case: str, seq: int, name: str, step: Callable[[], Any]) -> None:
+        kernels = kernels_of(step, args.steps)
+        total = sum(r["us"] for r in kernels)
+        wall = bench(step, warmup=5, rep=20)
+        host = host_profile(step) if name == "ours" else ""
+        rows.append({"case": case, "seq": seq, "system": name, "total_us": total, "wall_us": wall,
+                     "kernels": kernels, "host_profile": host})
+        print(f"== {case} {seq} {name}: {total:.0f} us of kernels a step, {wall:.0f} us a step", flush=True)
+        for r in kernels[:8]:
+            print(f"   {r['us']:9.1f} us {100 * r['us'] / total:5.1f}%  x{r['calls']:.0f}  {r['kernel']}")
+        if wall > 1.2 * total and host:
+            print(host, flush=True)
+        write_results("backward_profile", {"env": environment(), "dtype": args.dtype, "rows": rows})
+
+    if args.linear_ce:
+        record("linear_ce", 8192, "ours", linear_ce_step())
+        torch.cuda.empty_cache()
     for seq in args.seqs:
         for case in args.cases:
             for name, step in systems(case, seq, dtype).items():
-                kernels = kernels_of(step, args.steps)
-                total = sum(r["us"] for r in kernels)
-                rows.append({"case": case, "seq": seq, "system": name, "total_us": total, "kernels": kernels})
-                print(f"== {case} {seq} {name}: {total:.0f} us of kernels a step", flush=True)
-                for r in kernels[:8]:
-                    print(f"   {r['us']:9.1f} us {100 * r['us'] / total:5.1f}%  x{r['calls']:.0f}  {r['kernel']}")
+                record(case, seq, name, step)
             torch.cuda.empty_cache()
-            write_results("backward_profile", {"env": environment(), "dtype": args.dtype, "rows": rows})
 
 
 if __name__ == "__main__":
