@@ -264,3 +264,29 @@ def test_autotune_leaves_a_partitioned_program_to_its_groups_schedules(randn):
     x = randn(20, 30)
     out = nf.compile(softmax_then_column_sum, schedule=nf.autotune())(x)
     torch.testing.assert_close(out, torch.softmax(x, -1).sum(0))
+
+
+@nf.program
+def exp_of_linear(h, w):
+    return nf.exp(nf.einsum("id,vd->iv", h, w) * 0.1)
+
+
+def test_a_matmul_with_an_epilogue_tiles_both_output_axes_and_contracts_with_dot(randn):
+    """Neither output axis of a matmul is a batch axis (a program per token would read all of w
+    once per token, a matrix-vector product): the tokens are tiled across the grid, the tile's
+    contraction over d is a dot."""
+    fn = _check(exp_of_linear, (randn(256, 48), randn(80, 48)))
+    traced = exp_of_linear.trace(randn(256, 48), randn(80, 48))
+    roles = assign_roles(fuse(traced)[-1].program)
+    assert roles.batch == () and set(roles.full) | {roles.row} >= {"i", "v"}
+    tile = _kernels(fn)[0].tile
+    assert any(op.kind == "dot" for op in _walk_ops(tile.body))
+
+
+def _walk_ops(stmts):
+    from neptune_fusion.tile.ir import Loop, Op
+    for st in stmts:
+        if isinstance(st, Op):
+            yield st
+        elif isinstance(st, Loop):
+            yield from _walk_ops(st.body)

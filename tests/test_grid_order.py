@@ -131,3 +131,29 @@ def test_options_given_to_a_function_override_the_environment(monkeypatch):
     monkeypatch.setenv("NEPTUNE_FUSION_GRID_GROUP", "two")
     with pytest.raises(ValueError, match="NEPTUNE_FUSION_GRID_GROUP"):
         nf.compile(causal_attention)(q, k, v, scale=0.1)
+
+
+@pytest.mark.parametrize("rows_are_keys", [False, True])
+def test_programs_start_with_the_row_tiles_that_visit_the_most_loop_tiles(rows_are_keys):
+    """Causal rows over queries see more keys the later they are; rows over keys (a backward's
+    loop over the queries that see them) see fewer: either way program 0 runs the heaviest tile."""
+    from neptune_fusion.tile.inspect import loop_ranges
+
+    @nf.program
+    def causal_lse(a, b):
+        s = nf.einsum("id,jd->ij", a, b)
+        visible = nf.index(s, -1) >= nf.index(s, -2) if rows_are_keys else nf.index(s, -2) >= nf.index(s, -1)
+        s = nf.where(visible, s, -nf.inf)
+        return nf.log(nf.exp(s - s.max(axis=-1, keepdims=True)).sum(axis=-1)) + s.max(axis=-1)
+
+    a, b = torch.randn(64, 16), torch.randn(64, 16)
+    fn = nf.compile(causal_lse, nf.flash(block_q=16, block_k=16))
+    out = fn(a, b)
+    i = torch.arange(64)
+    visible = (i[None, :] >= i[:, None]) if rows_are_keys else (i[:, None] >= i[None, :])
+    ref = torch.logsumexp((a.double() @ b.double().T).masked_fill(~visible, -math.inf), -1)
+    assert torch.allclose(out.double(), ref, atol=1e-4)
+    exe = fn.executable_for(fn.program_def.trace(a=a, b=b), {"a": a, "b": b})
+    visited = [sum(hi - lo for lo, hi, _ in loop_ranges(exe.main.tile, (pid, 0, 0), {"i": 64, "j": 64}))
+               for pid in range(4)]
+    assert visited == sorted(visited, reverse=True) and visited[0] > visited[-1], visited

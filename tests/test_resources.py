@@ -253,3 +253,13 @@ def test_registers_count_one_work_tile_per_dot_along_the_loop_and_one_more():
     assert register_estimate(kernel) == 3 * 128 * 32 // 256 + 40
     assert narrow_loops_first(kernel)
     assert not narrow_loops_first(_attention_kernel(128, 128, 128, 3, 8))
+
+
+def test_fit_restores_the_stages_a_later_narrowing_makes_room_for():
+    """Three stages of 128-wide tiles overflow shared memory and two are kept; the registers then
+    narrow the loop tile to 32, after which three stages fit again and come back."""
+    def usage(p: Plan) -> tuple[int, int]:
+        carried, work = p.block_row * 256, 3 * p.block_row * p.block_col
+        return 40000 * p.num_stages * p.block_col // 64, (carried + work) // (32 * p.num_warps) + 40
+    plan = Plan(128, 128, 8, 3, 1)
+    assert fit(plan, usage, HOPPER_SHARED_BYTES, HOPPER_REGISTERS, narrow_first=True) == Plan(128, 32, 8, 3, 1)

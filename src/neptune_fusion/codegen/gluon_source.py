@@ -34,6 +34,7 @@ from neptune_fusion.tile.ir import ArgSource, Assign, If, Loop, Op, Stmt, Store,
 from neptune_fusion.tile.resources import HOPPER_REGISTERS, footprint
 
 ROW_BLOCK = 128  # two consumer warpgroups of 64 rows each
+GLUON_LOOP_TILES = (64, 128)  # loop tile widths the consumers' wgmma layouts are written for
 NUM_BUFFERS = 2  # ring slots (a third adds shared memory and no speed)
 SHARED_MEMORY_BYTES = 220 * 1024  # of Hopper's 227 KB per program, with room for the barriers
 CONSUMER_REGISTERS = 232  # per thread; the producer warp keeps 24 (setmaxnreg)
@@ -105,7 +106,7 @@ def _analyse(kernel: TileKernel) -> _Shape:
     if kernel.constexprs.get("BLOCK_R") != ROW_BLOCK:
         raise _Unsupported(f"the row tile must be {ROW_BLOCK} rows (two consumer warpgroups of 64)")
     block_c = kernel.constexprs.get("BLOCK_C", 0)
-    if block_c not in (64, 128):
+    if block_c not in GLUON_LOOP_TILES:
         raise _Unsupported("key tiles must be 64 or 128 wide")
     row, col = kernel.tile_axes[0], kernel.tile_axes[1]
     defs: dict[str, Op] = {}
@@ -197,11 +198,17 @@ def _analyse(kernel: TileKernel) -> _Shape:
     loader_ops = _scalar_closure(todo, kernel.body, "a loop bound or descriptor argument")
     # each consumer warpgroup holds half the rows' carried state and work tiles; the Triton backend
     # can plan narrower tiles for a loop that carries more than a consumer's registers hold
-    consumer = footprint(kernel).registers({**kernel.constexprs, "BLOCK_R": ROW_BLOCK // 2}, 4)
+    consumer = consumer_registers(kernel)
     if consumer > HOPPER_REGISTERS:
         raise _Unsupported(f"a consumer warpgroup would need about {consumer} registers a thread "
                            f"(at most {HOPPER_REGISTERS})")
     return _Shape(row, col, defs, row_loads, rings, loader_ops, coordinates, desc_dtypes, pairs)
+
+
+def consumer_registers(kernel: TileKernel) -> int:
+    """Registers a thread of one consumer warpgroup needs: it holds half the rows' carried state
+    and work tiles (the schedule's register estimate at 64 rows and 4 warps)."""
+    return footprint(kernel).registers({**kernel.constexprs, "BLOCK_R": ROW_BLOCK // 2}, 4)
 
 
 def _tile_bytes(kernel: TileKernel, desc: Op, rows: int) -> int:

@@ -32,7 +32,7 @@ from triton.runtime.errors import OutOfResources
 
 from neptune_fusion.algebra.repair import contribution_vanishes
 from neptune_fusion.analysis.masks import MaskInfo, analyze_masks
-from neptune_fusion.codegen.gluon_source import generate_gluon, gluon_support
+from neptune_fusion.codegen.gluon_source import GLUON_LOOP_TILES, consumer_registers, generate_gluon, gluon_support
 from neptune_fusion.codegen.triton_source import generate
 from neptune_fusion.ir.errors import FusionError
 from neptune_fusion.ir.expr import free_axes
@@ -631,6 +631,15 @@ class Compiled:
         if reason is None:
             gluon_tile = lower(fused, replace(config, tma_buffers=all_tma, notes=[]), name)
             reason = gluon_support(gluon_tile)
+            narrower = plan.block_col // 2
+            if (reason is not None and narrower in GLUON_LOOP_TILES and options.backend != "triton"
+                    and consumer_registers(gluon_tile) > HOPPER_REGISTERS):
+                # a consumer's work tiles shrink with the loop tile while its carried state does not:
+                # the warp-specialised kernel at half the width before Triton's at any (Triton holds
+                # the same tiles in one 8-warp program and must narrow further)
+                exe = self.executable_for(program, args, replace(plan, block_col=narrower), options)
+                self._cache[key] = exe
+                return exe
         backend, why = _backend_for(reason, options)
         if backend == "gluon":
             gluon_tile.notes.append(f"backend: {why}")

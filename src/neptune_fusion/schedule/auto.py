@@ -153,7 +153,8 @@ def fit(plan: Plan, usage: Callable[[Plan], tuple[int, int]], shared_bytes: int,
     given up first. Registers: more warps (up to eight) spread the same tile over more threads,
     then fewer rows (the accumulators shrink with them), then narrower loop tiles; with
     `narrow_first`, narrower loop tiles (down to 32) come before fewer rows when they alone make
-    the plan fit (a loop whose per-iteration tiles outweigh what it carries). Where nothing
+    the plan fit (a loop whose per-iteration tiles outweigh what it carries). Pipeline stages
+    given up for shared memory come back where a later narrowing made room for them. Where nothing
     shrinks any more the smallest plan is returned: the device's compiler reports what still does
     not fit when it loads the kernel.
 
@@ -163,6 +164,12 @@ def fit(plan: Plan, usage: Callable[[Plan], tuple[int, int]], shared_bytes: int,
         >>> fit(Plan(128, 64, 4, 3, 8), usage, 232448, 255)
         Plan(block_row=128, block_col=64, num_warps=8, num_stages=2, splits=8, prefetch_dot=False)
     """
+    stages = plan.num_stages
+
+    def fits(p: Plan) -> bool:
+        shared, regs = usage(p)
+        return shared <= shared_bytes and regs <= registers
+
     while True:
         shared, regs = usage(plan)
         if shared > shared_bytes:
@@ -191,6 +198,8 @@ def fit(plan: Plan, usage: Callable[[Plan], tuple[int, int]], shared_bytes: int,
             else:
                 return plan
         else:
+            while plan.num_stages < stages and fits(deeper := replace(plan, num_stages=plan.num_stages + 1)):
+                plan = deeper
             return plan
         plan = smaller
 

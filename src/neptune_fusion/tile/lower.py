@@ -143,8 +143,12 @@ def assign_roles(program: Program) -> AxisRoles:
     inner = {n.axis for m in loop.members for n in walk(m.body.body) if isinstance(n, Reduce)}
     spatial = tuple(a for a in smallest.axes if a not in inner) or smallest.axes
     row = spatial[-1] if spatial else UNIT_ROW
-    batch = spatial[:-1]
-    full: list[str] = []
+    # a program per index of a batch axis reads every operand once per index: an operand of a
+    # contraction that the axis does not index (a matmul's weight across its rows) is instead
+    # shared by a tile of it, so such an axis is held in the tile (tiled across the grid)
+    reused = reused_operand_axes(loop.members)
+    batch = tuple(a for a in spatial[:-1] if a not in reused)
+    full: list[str] = [a for a in spatial[:-1] if a in reused]
     known = {row, loop.axis, *batch}
 
     def note(axes: set[str] | tuple[str, ...]) -> None:
@@ -171,6 +175,39 @@ def assign_roles(program: Program) -> AxisRoles:
             raise UnsupportedProgramError("tile lowering", m.name, f"{m.reduce_op} over {loop.axis}",
                                           "a member of the loop is indexed by the loop axis")
     return AxisRoles(row, loop.axis, tuple(batch), tuple(full), tuple(epilogue))
+
+
+def reused_operand_axes(members: tuple[Stage, ...]) -> set[str]:
+    """Axes across which an operand of a contraction is reused: a summed product whose factors
+    each read a matrix along the summed axis and each carry an axis the other lacks (the output
+    axes of a matmul), never an axis every operand carries (attention's heads) or one only an
+    index expression lacks (a mask's factor).
+
+    Example:
+        >>> h, w = Load("h", (Index("i"), Index("d"))), Load("w", (Index("v"), Index("d")))
+        >>> logits = Stage("s", ("i", "v"), Reduce("sum", "d", Binary("mul", h, w)))
+        >>> sorted(reused_operand_axes((logits,)))
+        ['i', 'v']
+    """
+    def reads_matrix_along(expr: Expr, axis: str) -> bool:
+        loads = (n for n in walk(expr) if isinstance(n, Load))
+        return any(axis in (axes := free_axes(ld)) and len(axes) > 1 for ld in loads)
+
+    out: set[str] = set()
+    for m in members:
+        for node in walk(m.body):
+            if not (isinstance(node, Reduce) and node.op == "sum"):
+                continue
+            body = node.body
+            while isinstance(body, Cast):
+                body = body.x
+            if not (isinstance(body, Binary) and body.op == "mul"):
+                continue
+            a, b = free_axes(body.a), free_axes(body.b)
+            if (a - b and b - a and reads_matrix_along(body.a, node.axis)
+                    and reads_matrix_along(body.b, node.axis)):
+                out |= a ^ b
+    return out
 
 
 class _Scope:
@@ -678,8 +715,7 @@ class KernelBuilder:
             pid_r = self.op("program_id", (), "i32", prefix="pid", dim=0)
             pid_b = self.op("program_id", (), "i32", prefix="pid", dim=1)
             grid = [GridDim((row_tiles,)), GridDim(batch)]
-        last = self.bin("sub", n_tiles, self.const(1))
-        row_tile = self.bin("sub", last, pid_r)
+        row_tile = self.bin("sub", self.bin("sub", n_tiles, self.const(1)), pid_r) if self._heavier_later() else pid_r
         r0 = self.bin("mul", row_tile, TVal("BLOCK_R", (), "i32"))
         self.bindings: dict[str, TVal] = {}
         rest = self._grid_tiles(pid_b, grid)
@@ -712,6 +748,14 @@ class KernelBuilder:
                           cfg.num_stages, self.constexprs, list(cfg.notes),
                           do_not_specialize=[a.name for a in self.args if a.source in varying],
                           tiled_axes=self.tiling.grid + self.tiling.loops)
+
+    def _heavier_later(self) -> bool:
+        """Whether a later row tile visits no fewer loop tiles than an earlier one, so that the
+        programs walk the row tiles from the last (heaviest first, the wave's tail the lightest).
+        The visible loop range of a row grows by the row coefficient of each affine bound on the
+        loop index: a causal mask's bound k <= q when rows are queries, q >= k shrinking it when
+        rows are keys (a backward's loop over queries)."""
+        return sum(c.row_coeff for c in self.masks.constraints if c.col_coeff) >= 0
 
     def _grid_tiles(self, pid_b: TVal, grid: list[GridDim]) -> TVal:
         """Peel the tile index of each grid-tiled axis off the batch program id (innermost first)
