@@ -3,6 +3,9 @@
 against fp32 torch on random inputs and timed beside torch.compile of the same plain code.
 
     python bench/general.py          (GPU machine; writes $OUT/general.json)
+
+With an earlier version importable as `nf_before` (bench/ab_baseline.sh REV, .baseline on
+PYTHONPATH), each case also times that version's kernels in the same process (`before_us`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,11 @@ from bench.common import bench, environment, rel_err, warm_up_gpu, write_results
 from neptune_fusion.library import layernorm_matmul, linear_cross_entropy, rmsnorm_matmul, softmax_pooling
 
 DEVICE = "cuda"
+try:
+    import nf_before  # type: ignore[import-not-found]
+    from nf_before import library as before_library  # type: ignore[import-not-found]
+except ImportError:
+    nf_before = None
 
 
 def torch_rmsnorm_matmul(x, w):
@@ -71,6 +79,11 @@ def main() -> None:
                 compiled(*args)
                 row["torch_compile_us"] = bench(lambda: compiled(*args))
                 row["speedup_vs_torch_compile"] = row["torch_compile_us"] / row["nf_us"]
+                if nf_before is not None:
+                    earlier = nf_before.compile(getattr(before_library, name))
+                    row["before_rel_err_vs_fp32"] = rel_err(earlier(*args).float(), ref)
+                    row["before_us"] = bench(lambda: earlier(*args))
+                    row["after_over_before"] = row["nf_us"] / row["before_us"]
                 exe = next(iter(fn._cache.values()))
                 row["plan"] = str(exe.plan)
                 row["kernels"] = 1 + (exe.combine is not None) + len(getattr(exe, "groups", ()) or ())

@@ -91,9 +91,10 @@ def test_the_split_k_prefill_plan_is_fitted_at_schedule_time(offline):
     main = next(k for k in offline["cases"][0]["kernels"] if k["kernel"] == "nf_attention")
     chosen = choose(Auto(), rows=1000, cols=1000, batch=8, full_sizes={"d": 256, "e": 256}, dtype="f16",
                     num_sms=132, interpreter=False)
-    assert (chosen.block_row, chosen.block_col, chosen.num_warps, chosen.num_stages) == (128, 64, 4, 3)
+    # split, 128-row tiles stay compute-bound: the plan of one pass, not decode's memory-bound one
+    assert (chosen.block_row, chosen.block_col, chosen.num_warps, chosen.num_stages) == (128, 64, 8, 3)
     assert chosen.splits > 1
-    # fewer stages for shared memory, then more warps for the 128 x 256 fp32 accumulator
+    # fewer stages for shared memory
     assert (main["blocks"]["BLOCK_R"], main["blocks"]["BLOCK_C"], main["warps"], main["stages"]) == (128, 64, 8, 2)
 
 

@@ -15,6 +15,10 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from neptune_fusion.schedule.templates import Auto, Autotune, Flash, Schedule, SplitK
+from neptune_fusion.schedule.tiles import MAX_WHOLE
+
+MMA_ROWS = 64  # rows of one warpgroup's tensor-core instruction (wgmma)
+TILED_HELD = 128  # width of the tile an axis longer than MAX_WHOLE is held in (at most)
 
 # shared memory one multiprocessor gives its programs' pipeline stages (H100/H200: 227 KB, less
 # what the compiler keeps for itself and for the row operands)
@@ -51,7 +55,10 @@ def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: 
     """
     if isinstance(schedule, Autotune):
         schedule = schedule.base
-    head = max(full_sizes.values(), default=64)
+    # an axis too long to hold whole is walked a tile at a time (schedule/tiles.py): the registers
+    # and each pipeline stage hold that tile, not the axis
+    held = {a: n if n <= MAX_WHOLE else TILED_HELD for a, n in full_sizes.items()}
+    head = max(held.values(), default=64)
     if interpreter:
         block_row = min(32, _pow2_at_least(rows))
         block_col = 32
@@ -72,11 +79,14 @@ def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: 
     elif isinstance(schedule, Auto):
         programs = math.ceil(rows / block_row) * batch
         splits = 0 if programs < num_sms and cols >= 4 * block_col else 1
-    if splits != 1:
-        # memory-bound: 64-wide key tiles, 4 warps, 2 stages keep the most bytes in flight per
-        # multiprocessor, whether the split count is given or chosen
+    if splits != 1 and rows < MMA_ROWS:
+        # memory-bound (fewer rows than one warpgroup's MMA: each loaded element feeds few
+        # products): 64-wide key tiles, 4 warps, 2 stages keep the most bytes in flight per
+        # multiprocessor, whether the split count is given or chosen. Row tiles of a warpgroup or
+        # more stay compute-bound when split (a matmul's few row tiles) and keep their plan
         if not interpreter:
             block_col, warps, stages = 64, 4, 2
+    if splits != 1:
         programs = math.ceil(rows / block_row) * batch
     if splits == 0:
         # about four programs per multiprocessor keep enough loads in flight, rounded down so no
@@ -97,7 +107,7 @@ def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: 
         # and still fits twice in shared memory; with more programs per multiprocessor, they keep
         # the loads in flight themselves and 2 stages stay
         resident = math.ceil(programs * splits / num_sms)
-        stage_bytes = block_col * sum(full_sizes.values()) * (4 if dtype == "f32" else 2)
+        stage_bytes = block_col * sum(held.values()) * (4 if dtype == "f32" else 2)
         if not interpreter and resident <= 2 and resident * 3 * stage_bytes <= SHARED_BYTES:
             stages = 3
     if isinstance(schedule, (Flash, SplitK)):
