@@ -436,3 +436,23 @@ def test_explain_shows_the_chunked_backward() -> None:
     assert "(no kernel plan computes it: [tile planning] stage 'grad_w_part'" in text
     assert "=== materialised a chunk at a time: grad_dot0['i', 'v'] over 'v'" in text
     assert "einsum('iv,vd->id', grad_dot0 chunk, w) summed over the chunks" in text
+
+
+@pytest.mark.parametrize("spec", ["iv,id->vd", "iv,vd->id", "vi,dv->di", "ij,jk->ik", "bij,bjk->bik"])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_a_chunk_contracts_into_its_gradient_as_einsum_does(spec, accumulate) -> None:
+    """A chunk's contraction lands in the gradient itself (cuBLAS writing into a slice, or adding
+    to the accumulator), whichever operand holds the result's first axis; other contractions
+    (a batch axis) go through einsum. Scaled, into a column slice too."""
+    from neptune_fusion.integrations.autograd import contract_into
+
+    torch.manual_seed(0)
+    inputs, result = spec.split("->")
+    size = dict(zip("bijkvd", (2, 5, 6, 7, 3, 4)))
+    a, b = (torch.randn(*(size[x] for x in part), dtype=torch.float64) for part in inputs.split(","))
+    want = torch.einsum(spec, a, b) * 0.5
+    whole = torch.randn(*(size[x] for x in result[:-1]), size[result[-1]] + 3, dtype=torch.float64)
+    out = whole.narrow(-1, 2, size[result[-1]])  # a slice of a wider gradient: not contiguous
+    before = out.clone()
+    contract_into(spec, a, b, out, accumulate=accumulate, scale=0.5)
+    torch.testing.assert_close(out, want + before if accumulate else want)

@@ -44,7 +44,8 @@ from neptune_fusion.schedule.partition import Group, partition_loops
 from neptune_fusion.schedule.templates import Auto
 from neptune_fusion.transform.grad import Gradient, differentiate, grad_name
 
-__all__ = ["Derived", "Kernels", "call_with_grad", "derived_for", "handle_for", "train_forward", "training_handle"]
+__all__ = ["Derived", "Kernels", "call_with_grad", "contract_into", "derived_for", "handle_for", "train_forward",
+           "training_handle"]
 
 
 class Unfused:
@@ -115,13 +116,47 @@ class Chunked:
                 operand = named[c.operand]
                 if plan.axis in c.operand_axes:
                     operand = operand.narrow(c.operand_axes.index(plan.axis), start, n)
-                part = torch.einsum(c.spec, shared, operand)
-                part = part * c.scale if c.scale != 1.0 else part
-                if c.over_chunk:
-                    out += part
-                else:
-                    out.narrow(axes.index(plan.axis), start, n).copy_(part)
+                target = out if c.over_chunk else out.narrow(axes.index(plan.axis), start, n)
+                contract_into(c.spec, shared, operand, target, accumulate=c.over_chunk, scale=c.scale)
         return tuple(out.to(dtype) for out in outs)
+
+
+def contract_into(spec: str, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, accumulate: bool,
+                  scale: float = 1.0) -> None:
+    """`out` (+)= `scale` * einsum(`spec`, a, b). A contraction that is one matrix product of
+    operands of out's dtype is written by cuBLAS into `out` itself (addmm_ / mm with out=), so a
+    chunk's result takes no memory of its own beside the gradient it lands in.
+
+    Example:
+        >>> a, b, out = torch.ones(3, 2), torch.ones(3, 4), torch.ones(2, 4)
+        >>> contract_into("iv,id->vd", a, b, out, accumulate=True, scale=0.5)
+        >>> out[0, 0].item()
+        2.5
+    """
+    inputs, result = spec.split("->")
+    left, right = inputs.split(",")
+    summed = (set(left) & set(right)) - set(result)
+    matmul = (len(left) == len(right) == len(result) == 2 and len(summed) == 1 and a.dtype == b.dtype == out.dtype
+              and len(set(left) | set(right)) == 3)
+    if matmul and result[0] in right:
+        a, b, left, right = b, a, right, left
+    if not matmul or result[0] not in left or result[1] not in right:
+        part = torch.einsum(spec, a, b)
+        part = part * scale if scale != 1.0 else part
+        if accumulate:
+            out += part
+        else:
+            out.copy_(part)
+        return
+    (k,) = summed
+    rows = a.permute(left.index(result[0]), left.index(k))
+    cols = b.permute(right.index(k), right.index(result[1]))
+    if accumulate:
+        out.addmm_(rows, cols, alpha=scale)
+    else:
+        torch.mm(rows, cols, out=out)
+        if scale != 1.0:
+            out.mul_(scale)
 
 
 class Kernels:
