@@ -211,10 +211,11 @@ class _Printer:
             return f"tl.dot({lhs}, {rhs}{extra}{prec})"
         if k == "load":
             ptr = f"{at['buffer']}_ptr + {a[0].name} + {a[1].name}"
+            policy = f", eviction_policy=\"{at['eviction']}\"" if at.get("eviction") else ""
             if len(a) > 2:
                 other = "0.0" if out.dtype in ("f32", "f16", "bf16") else "0"
-                return f"tl.load({ptr}, mask={self.ref(a[2], out.axes)}, other={other})"
-            return f"tl.load({ptr})"
+                return f"tl.load({ptr}, mask={self.ref(a[2], out.axes)}, other={other}{policy})"
+            return f"tl.load({ptr}{policy})"
         if k == "make_desc":
             outer, inner = at["block"]
             return (f"tl.make_tensor_descriptor({at['buffer']}_ptr + {a[0].name}, shape=[{a[1].name}, {at['inner_size']}], "

@@ -56,7 +56,7 @@ from neptune_fusion.tile.lower import (
     fused_loop_of,
     lower,
 )
-from neptune_fusion.tile.pipeline import prefetch_first_dot, prefetch_scalar_loads
+from neptune_fusion.tile.pipeline import prefetch_first_dot, prefetch_scalar_loads, separate_dot_operand_loads
 from neptune_fusion.tile.resources import HOPPER_REGISTERS, HOPPER_SHARED_BYTES, narrow_loops_first, plan_usage
 from neptune_fusion.transform.layout import group_divisor, pack_groups
 
@@ -613,7 +613,7 @@ class Compiled:
             csource = generate(ctile, target)
             combine = KernelLaunch(ctile, csource, _load_kernel(csource, ctile.name, options.kernel_directory()), cfused)
         def lowered() -> TileKernel:
-            tile = lower(fused, config, name)
+            tile = separate_dot_operand_loads(lower(fused, config, name))
             if prefetch_index:
                 tile = prefetch_scalar_loads(tile)
             # the rewrite moves a top-level loop's first dot; one inside an inner (K-)loop stays put

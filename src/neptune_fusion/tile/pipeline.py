@@ -163,3 +163,60 @@ def _pipeline(loop: Loop, names: itertools.count, is_root: Callable[[Op], bool],
     final = _clone(rest_ops + assigns, {loop.var.name: last.out}, names) if peel else []
     return [cond, If(cond.out, [one, span, span1, iters, offset, last, *prologue, steady, *final],
                      "a non-empty loop: prologue, pipelined iterations" + (", the last iteration" if peel else ""))]
+
+
+def separate_dot_operand_loads(kernel: TileKernel) -> TileKernel:
+    """A loop tile that feeds a dot and also other arithmetic (a norm's sum of squares beside its
+    matmul) is loaded twice, once for each: with more than one pipeline stage, Triton's pipeliner
+    reads the shared copy for the arithmetic while a later stage's copy overwrites it
+    (triton-lang/triton#6691), silently wrong results on the GPU. The second load reads the same
+    addresses, served by L2; nothing else changes. (Loop tiles read through tensor descriptors
+    feed dots only: the Gluon backend requires it, and Triton plans read mixed-use tiles through
+    pointers.)
+
+    Example: RMSNorm -> matmul reads x for the dot and for the norm:
+        >>> import torch, neptune_fusion as nf
+        >>> from neptune_fusion.library import rmsnorm_matmul
+        >>> text = nf.explain(rmsnorm_matmul, torch.randn(32, 64), torch.randn(64, 16))
+        >>> "loaded again for the arithmetic beside its dot" in text
+        True
+    """
+    names = itertools.count()
+    body = [_separated(st, names) if isinstance(st, Loop) else st for st in kernel.body]
+    if body == kernel.body:
+        return kernel
+    note = "each loop tile that feeds a dot is loaded again for the arithmetic beside its dot (triton#6691)"
+    return replace(kernel, body=body, notes=kernel.notes + [note])
+
+
+def _separated(loop: Loop, names: itertools.count) -> Loop:
+    ops = [st for st in loop.body if isinstance(st, Op)]
+    users: dict[str, list[Op]] = {}
+    for op in ops:
+        for a in op.args:
+            users.setdefault(a.name, []).append(op)
+
+    def feeds_dots_only(op: Op) -> bool:
+        """A dot, or a cast whose every user (directly or through casts) is a dot."""
+        return op.kind == "dot" or (op.kind == "cast" and all(feeds_dots_only(u) for u in users.get(op.out.name, ())))
+
+    body: list[Stmt] = []
+    rename: dict[tuple[int, str], TVal] = {}  # (id of a user, the load it reads) -> the second load
+    for st in loop.body:
+        if isinstance(st, Loop):
+            st = _separated(st, names)
+        if isinstance(st, Op) and rename:
+            args = tuple(rename.get((id(st), a.name), a) for a in st.args)
+            st = replace(st, args=args) if args != st.args else st
+        body.append(st)
+        if isinstance(st, Op) and st.kind == "load" and st.out.axes:
+            readers = users.get(st.out.name, [])
+            others = [u for u in readers if not feeds_dots_only(u)]
+            if others and len(others) < len(readers):
+                # an eviction hint of its own keeps the compiler from merging the two loads back
+                # into one (the tile is read again by the programs of the other grid tiles)
+                second = replace(st, out=replace(st.out, name=f"{st.out.name}_again{next(names)}"),
+                                 attrs={**st.attrs, "eviction": "evict_last"})
+                body.append(second)
+                rename.update({(id(u), st.out.name): second.out for u in others})
+    return replace(loop, body=body)
