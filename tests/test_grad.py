@@ -456,3 +456,36 @@ def test_a_chunk_contracts_into_its_gradient_as_einsum_does(spec, accumulate) ->
     before = out.clone()
     contract_into(spec, a, b, out, accumulate=accumulate, scale=0.5)
     torch.testing.assert_close(out, want + before if accumulate else want)
+
+
+def test_backward_kernels_sum_in_a_fixed_order(monkeypatch) -> None:
+    """Gradients are deterministic, with no option to ask for it: no kernel of attention's backward
+    (causal, a learnable ALiBi slope summed over queries and heads) accumulates through atomics;
+    every reduction is a loop of one program or a combine in a fixed order. Two steps give the
+    same bits."""
+    from neptune_fusion.integrations import autograd
+
+    made: list = []
+    init = autograd.Kernels.__init__
+
+    def recording(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(autograd.Kernels, "__init__", recording)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 48, 16) for _ in range(3))
+    seed = torch.randn(1, 2, 48, 16)
+
+    def step():
+        slopes = torch.tensor([0.5, 0.25], requires_grad=True)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = nf.attention(*leaves, score_mod=lambda s, b, h, i, j: s + slopes[h] * (j - i),
+                           mask_mod=lambda b, h, i, j: i >= j)
+        return torch.autograd.grad(out, [*leaves, slopes], seed)
+
+    first, second = step(), step()
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    sources = [launch.source for kernels in made for _, fn in kernels.steps if isinstance(fn, nf.Compiled)
+               for exe in fn._cache.values() for launch in (exe.main, exe.combine) if launch is not None]
+    assert len(sources) >= 3 and not any("atomic" in s for s in sources)
