@@ -259,10 +259,12 @@ def test_split_k_choice_fills_the_device_and_deepens_the_pipeline_when_it_fits()
     assert plan(64, 8, 32768).num_stages == 3
 
 
-def test_a_kernel_too_large_for_shared_memory_is_planned_again_smaller(monkeypatch):
+@pytest.mark.parametrize("failure", ["shared memory", "assembler"])
+def test_a_kernel_too_large_for_shared_memory_is_planned_again_smaller(monkeypatch, failure):
     """Triton compiles at the first launch; a kernel that needs more shared memory than the device
-    has gets the same program with fewer pipeline stages (a warning says so), and the right result."""
-    from triton.runtime.errors import OutOfResources
+    has, or that ptxas fails on, gets the same program with fewer pipeline stages (a warning says
+    so), and the right result."""
+    from triton.runtime.errors import OutOfResources, PTXASError
 
     from neptune_fusion.runtime import compiled as compiled_module
 
@@ -272,6 +274,8 @@ def test_a_kernel_too_large_for_shared_memory_is_planned_again_smaller(monkeypat
     def first(self, slots):
         tried.append(self.stages)
         if self.stages > 1:
+            if failure == "assembler":
+                raise PTXASError("PTXAS error: `ptxas` failed with error code -11")
             raise OutOfResources(262144, 232448, "shared memory")
         return real(self, slots)
 
@@ -279,7 +283,8 @@ def test_a_kernel_too_large_for_shared_memory_is_planned_again_smaller(monkeypat
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 2, 40, 16, generator=g) for _ in range(3))
     fn = nf.compile(causal_attention, schedule=nf.flash(block_q=16, block_k=16, num_stages=3))
-    with pytest.warns(UserWarning, match="does not fit the device"):
+    match = "does not fit the device" if failure == "shared memory" else "fails in the device's assembler"
+    with pytest.warns(UserWarning, match=match):
         out = fn(q, k, v, 0.25)
     want = torch.softmax((q @ k.transpose(-1, -2) * 0.25).masked_fill(
         torch.ones(40, 40, dtype=torch.bool).triu(1), float("-inf")), -1) @ v

@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 from triton import knobs
-from triton.runtime.errors import OutOfResources
+from triton.runtime.errors import OutOfResources, PTXASError
 
 from neptune_fusion.algebra.repair import contribution_vanishes
 from neptune_fusion.analysis.masks import MaskInfo, analyze_masks
@@ -757,20 +757,24 @@ class Compiled:
         """The launcher for `key` until its first call returns, which then puts the launcher itself
         in its place. Triton compiles a kernel at its first launch; one that needs more shared
         memory than the device has (the schedule's estimate counts the pipelined tiles, the
-        compiler's buffers can exceed it) is planned again smaller: fewer pipeline stages first,
-        then narrower loop tiles; a plan that cannot shrink re-raises."""
+        compiler's buffers can exceed it), or that the device's assembler fails on (ptxas crashes on
+        some pipelined loops of wide tiles that one stage fewer compiles), is planned again
+        smaller: fewer pipeline stages first, then narrower loop tiles; a plan that cannot shrink
+        re-raises."""
         run, used = self._prepare(named, plan)
 
         def first(values: Sequence[Any]) -> Any:
             try:
                 out = run(values)
-            except OutOfResources as exc:
+            except (OutOfResources, PTXASError) as exc:
                 if used is None or (used.num_stages == 1 and used.block_col <= 16):
                     raise
                 smaller = (replace(used, num_stages=used.num_stages - 1) if used.num_stages > 1
                            else replace(used, block_col=used.block_col // 2))
-                warnings.warn(f"neptune_fusion: {self.program_def.name!r} with {used} does not fit the device "
-                              f"({exc}); compiling {smaller} instead", stacklevel=2)
+                why = (f"does not fit the device ({exc})" if isinstance(exc, OutOfResources) else
+                       f"fails in the device's assembler ({str(exc).splitlines()[0]})")
+                warnings.warn(f"neptune_fusion: {self.program_def.name!r} with {used} {why}; compiling {smaller} "
+                              "instead", stacklevel=2)
                 again = self._until_launched(key, named, smaller)
                 self._launchers[key] = again
                 return again(values)
