@@ -133,7 +133,9 @@ def fused_loop_of(program: Program) -> FusedLoop:
 def assign_roles(program: Program) -> AxisRoles:
     """Row, loop, batch and full axes of a fused program (see module docstring)."""
     loop = fused_loop_of(program)
-    smallest = min(loop.members, key=lambda m: len(m.axes))
+    # the fewest axes, and of those the member whose axes most others share (a LayerNorm's row
+    # statistics, not its weight's column sums)
+    smallest = min(loop.members, key=lambda m: (len(m.axes), -sum(set(m.axes) <= set(n.axes) for n in loop.members)))
     if not smallest.axes and UNIT_ROW not in program.derived_axes:
         raise UnsupportedProgramError("tile lowering", smallest.name, f"{smallest.reduce_op} over {loop.axis}",
                                       "a reduction to a single value has no row axis to tile "

@@ -3,7 +3,9 @@
 A sum whose map is a polynomial in earlier reductions along the same axis has no repair
 of the `+`/`*` form (`(x - mean)^2`), but it expands into basis sums that do not depend on
 them at all: `sum_j (x_j - m)^2 = sum_j x_j^2 - 2 m sum_j x_j + m^2 sum_j 1`. The basis
-sums join the fused loop; the combination with the final `m` happens after it. This makes
+sums join the fused loop; the combination with the final `m` happens after it. A basis sum has
+only the axes its terms vary along (a LayerNorm-then-matmul's column sums of the weight are one
+vector, not one per row), and the sum of a constant is the constant times the axis's extent. This makes
 variance, LayerNorm statistics and LayerNorm-then-matmul chains fusable in one pass.
 More generally a basis sum may keep a factor with a multiplicative repair (`exp(c - m)`), so
 the entropy of a softmax, `sum_j p_j log p_j`, fuses too (algebra/repair.py `separable_split`).
@@ -20,10 +22,9 @@ Example:
     >>> print(format_program(expand_polynomial_reductions(prog, "a1")))
     program variance(x[a0, a1]):
       sum0[a0] = sum[a1](x[a0, a1])
-      sum1_p0[a0] = sum[a1](0.015625)
       sum1_p1[a0] = sum[a1](-0.25 * x[a0, a1])
       sum1_p2[a0] = sum[a1](x[a0, a1] * x[a0, a1])
-      sum1[a0] = sum0[a0] * sum0[a0] * sum1_p0[a0] + sum0[a0] * sum1_p1[a0] + sum1_p2[a0]
+      sum1[a0] = sum0[a0] * sum0[a0] * (0.015625 * |a1|) + sum0[a0] * sum1_p1[a0] + sum1_p2[a0]
       ew1[a0] = sum1[a0] / 8
       return ew1
 """
@@ -32,7 +33,18 @@ from __future__ import annotations
 
 from neptune_fusion.algebra.repair import derive_repair, polynomial_split, separable_split
 from neptune_fusion.ir.errors import FusionError
-from neptune_fusion.ir.expr import Binary, Expr, Index, Load, Reduce, Running, simplify, transform_bottom_up
+from neptune_fusion.ir.expr import (
+    Binary,
+    Expr,
+    Index,
+    Load,
+    Reduce,
+    Running,
+    Size,
+    free_axes,
+    simplify,
+    transform_bottom_up,
+)
 from neptune_fusion.ir.program import Node, Program, Stage
 
 
@@ -61,9 +73,18 @@ def expand_polynomial_reductions(program: Program, axis: str) -> Program:
         changed = True
         combined: Expr | None = None
         for k, (monomial, coefficient) in enumerate(split.terms):
-            basis = f"{node.name}_p{k}"
-            stages.append(Stage(basis, node.axes, Reduce("sum", axis, _running_as_loads(coefficient, members))))
-            term = Binary("mul", _running_as_loads(monomial, members), Load(basis, tuple(Index(a) for a in node.axes)))
+            coefficient = _running_as_loads(coefficient, members)
+            used = free_axes(coefficient)
+            if axis not in used and not used & set(node.axes):
+                # a constant summed along the axis: the constant times the axis's extent
+                total: Expr = Binary("mul", coefficient, Size(axis))
+            else:
+                # a basis sum keeps only the axes its terms vary along (the column sums of a
+                # LayerNorm's weight, not one copy per row)
+                basis, kept = f"{node.name}_p{k}", tuple(a for a in node.axes if a in used)
+                stages.append(Stage(basis, kept, Reduce("sum", axis, coefficient)))
+                total = Load(basis, tuple(Index(a) for a in kept))
+            term = Binary("mul", _running_as_loads(monomial, members), total)
             combined = term if combined is None else Binary("add", combined, term)
         assert combined is not None
         stages.append(Stage(node.name, node.axes, simplify(combined)))
