@@ -290,3 +290,32 @@ def _walk_ops(stmts):
             yield st
         elif isinstance(st, Loop):
             yield from _walk_ops(st.body)
+
+
+@nf.program
+def gram(x):
+    return nf.einsum("id,jd->ij", x, x)
+
+
+@nf.program
+def self_attention_of_one_input(x, wq, wk, wv):
+    q, k, v = (nf.einsum("id,de->ie", x, w) for w in (wq, wk, wv))
+    s = nf.einsum("ie,je->ij", q, k) * 0.125
+    e = nf.exp(s - s.max(axis=-1, keepdims=True))
+    return nf.einsum("ij,je->ie", e / e.sum(axis=-1, keepdims=True), v)
+
+
+def test_one_tensor_under_two_letters_is_two_axes(randn):
+    """Distinct einsum letters are distinct indices even over the same tensor: a Gram matrix
+    x @ x^T, and attention whose queries, keys and values are projections of one x (their rows
+    are one dimension of x, as the keys' and the queries' axes they are two)."""
+    x = randn(50, 24)
+    traced = gram.trace(x)
+    assert traced.stages[0].axes == ("i", "j") and traced.axis_sizes["j"] == ("x", 0)
+    _check(gram, (x,))
+    torch.testing.assert_close(nf.compile(gram)(x), x @ x.T, rtol=1e-4, atol=1e-4)
+    w = [randn(24, 16) * 0.2 for _ in range(3)]
+    _check(self_attention_of_one_input, (x, *w))
+    q, k, v = (x @ t for t in w)
+    want = torch.softmax(q @ k.T * 0.125, -1) @ v
+    torch.testing.assert_close(nf.compile(self_attention_of_one_input)(x, *w), want, rtol=1e-4, atol=1e-4)

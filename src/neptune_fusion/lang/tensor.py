@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Any, Sequence, Union
 
 from neptune_fusion.ir.expr import (
     NARROW_INT_DTYPES,
@@ -453,6 +453,7 @@ def einsum(spec: str, *operands: SymTensor) -> SymTensor:
         if len(term) != op.ndim:
             raise ValueError(f"einsum {spec!r}: operand {term!r} has rank {op.ndim}")
         op = tracer.materialize(op)  # type: ignore[attr-defined]
+        op = _alias_repeated_dims(term, op, letters, tracer)
         materialized.append((term, op))
         for letter, dim in zip(term, op.dims, strict=True):
             if dim is None:
@@ -494,6 +495,32 @@ def einsum(spec: str, *operands: SymTensor) -> SymTensor:
     if not summed:
         return SymTensor(dims, body, tracer)
     return tracer.stage(dims, body, "float")  # type: ignore[attr-defined]
+
+
+def _alias_repeated_dims(term: str, op: SymTensor, letters: dict[str, Dim], tracer: Any) -> SymTensor:
+    """`op` with each dim that an earlier operand names by another letter replaced by a fresh dim
+    of the same size: distinct letters are distinct indices (`x` in `einsum("id,jd->ij", x, x)`:
+    its rows are `i` in one factor and `j` in the other, the two axes of a Gram matrix; and
+    attention's `p @ v` when q, k and v are projections of one `x`). The fresh dim's size is the
+    original's (`tracer.aliases`)."""
+    named = {d.find().uid: letter for letter, d in letters.items()}
+    renames: dict[str, str] = {}
+    dims = list(op.dims)
+    for k, (letter, dim) in enumerate(zip(term, op.dims, strict=True)):
+        if dim is None or named.get(dim.find().uid, letter) == letter:
+            continue
+        fresh = Dim(dim.find().size, f"{dim.hint}'")
+        aliases = getattr(tracer, "aliases", None)
+        if aliases is None:
+            aliases = tracer.aliases = []
+        aliases.append((fresh, dim))
+        renames[dim.var] = fresh.var
+        dims[k] = fresh
+    if not renames:
+        return op
+    from neptune_fusion.ir.expr import substitute_index
+
+    return SymTensor(tuple(dims), substitute_index(op.expr, {a: Index(b) for a, b in renames.items()}), tracer, op.kind)
 
 
 def matmul(a: SymTensor, b: SymTensor) -> SymTensor:

@@ -182,6 +182,8 @@ def _finalize(
     for _, dims, _ in tracer.inputs:
         all_dims.extend(dims)
     all_dims.extend(getattr(tracer, "extra_dims", ()))  # dims made by views (nf.repeat_interleave)
+    aliases = getattr(tracer, "aliases", ())  # (fresh dim, the dim whose size it has): einsum's x, x
+    all_dims.extend(fresh for fresh, _ in aliases)
     for d in all_dims:
         roots.setdefault(d.find().uid, d.find())
     taken: set[str] = set()
@@ -208,6 +210,9 @@ def _finalize(
     for n, dims, _ in tracer.inputs:
         for i, d in enumerate(dims):
             axis_sizes.setdefault(names[d.var], (n, i))
+    for fresh, source in aliases:
+        if names[source.var] in axis_sizes:
+            axis_sizes.setdefault(names[fresh.var], axis_sizes[names[source.var]])
     outs = tuple(OutputSpec(o.stage, tuple(names[d] if d else None for d in o.dims)) for o in outputs)
     # Keep only stages reachable from the outputs.
     needed = {o.stage for o in outs}

@@ -80,6 +80,9 @@ def axis_extents(program: Program, args: Mapping[str, Any]) -> dict[str, int]:
                     f"of size {sizes[axis]} (from {src!r} dim {dim})"
                 )
             sizes[axis] = size
+    for axis, (buffer, dim) in program.axis_sizes.items():
+        if axis not in sizes and buffer in args:  # an axis of an input's size that indexes no input (x @ x.T's)
+            sizes[axis] = int(args[buffer].shape[dim])
     for axis, (op, a, b) in program.derived_axes.items():
         # derived axes come from layout transforms: ("div", axis, n), ("mul", axis, axis), ("const", n, _)
         if op == "div":
