@@ -368,6 +368,26 @@ def test_linear_cross_entropy_backward_over_a_long_hidden_axis_is_materialised_a
     (derived,) = fn.training.values()
     (step,) = [f for _, f in derived.backward.steps]
     assert isinstance(step, Chunked) and step.plan.axis == "v" and step.plan.shared == "grad_dot0"
+    # one chunk of the logits' gradient is alive at a time: each is released before the next is made
+    import weakref
+
+    from neptune_fusion.integrations import autograd
+
+    made: list = []
+    real = autograd.call_in_graph
+
+    def producing(fn, args, kwargs):
+        assert all(ref() is None for ref in made), "an earlier chunk is still alive"
+        out = real(fn, args, kwargs)
+        if fn is step.producer:
+            made.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(autograd, "call_in_graph", producing)
+    hl.grad = wl.grad = None
+    fn(hl, wl, target).backward(seed.float())
+    assert len(made) == 3
+    assert_grads([hl.grad, wl.grad], [hr.grad, wr.grad], tol=1e-5)
     assert materialise.chunk_length(step.plan, {"i": 8, "v": 300, "d": 600}, 4) == 128
     # dh (summed over the vocabulary's chunks) is held in fp32 unless that outgrows the chunk's budget
     assert materialise.accumulates_in_fp32(step.plan, {"i": 8, "v": 300, "d": 600}, 4)

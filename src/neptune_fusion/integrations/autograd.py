@@ -118,6 +118,8 @@ class Chunked:
                     operand = operand.narrow(c.operand_axes.index(plan.axis), start, n)
                 target = out if c.over_chunk else out.narrow(axes.index(plan.axis), start, n)
                 contract_into(c.spec, shared, operand, target, accumulate=c.over_chunk, scale=c.scale)
+            # released before the next chunk is made: one chunk alive at a time, not two
+            del shared
         return tuple(out.to(dtype) for out in outs)
 
 
