@@ -509,3 +509,21 @@ def test_backward_kernels_sum_in_a_fixed_order(monkeypatch) -> None:
     sources = [launch.source for kernels in made for _, fn in kernels.steps if isinstance(fn, nf.Compiled)
                for exe in fn._cache.values() for launch in (exe.main, exe.combine) if launch is not None]
     assert len(sources) >= 3 and not any("atomic" in s for s in sources)
+
+
+def test_a_backward_that_fails_to_derive_fails_again_and_leaves_no_handle() -> None:
+    """A Gram matrix's backward is refused (its x is read under two axes of one stage); a second
+    call says so again rather than reaching for a handle the first left half made (which pointed
+    at no backward, or at another function's)."""
+    @nf.program
+    def gram(x):
+        return nf.einsum("id,jd->ij", x, x)
+
+    fn = nf.compile(gram)
+    x = torch.randn(8, 4, requires_grad=True)
+    for _ in range(2):
+        with pytest.raises(FusionError, match=r"\[differentiate\] stage 'dot0'"):
+            fn(x)
+    assert fn.training_handles == {}
+    with torch.no_grad():
+        torch.testing.assert_close(fn(x), x @ x.T)

@@ -281,24 +281,25 @@ class _Entry:
 
 
 _entries: list[_Entry] = []
-_entry_of: dict[tuple[Any, ...], int] = {}
 
 
 @torch._dynamo.assume_constant_result
 def training_handle(fn: Compiled, names: tuple[str, ...], kinds: tuple[str, ...], wrt: tuple[str, ...],
                      shapes: tuple[tuple[int, ...], ...], dtypes: tuple[str, ...], numbers: tuple[Any, ...]) -> int:
     """The handle of (function, call layout, wrt) with its derived backward: traced and derived
-    once, outside torch.compile's tracing (SymPy proves what it needs there)."""
-    key = (id(fn), names, kinds, wrt, shapes, dtypes, numbers)
-    if key not in _entry_of:
+    once, outside torch.compile's tracing (SymPy proves what it needs there). The handles of a
+    function live on it, so a function made later (at the address of one collected) never gets
+    another's backward, and a backward that fails to derive leaves no handle behind."""
+    key = (names, kinds, wrt, shapes, dtypes, numbers)
+    if key not in fn.training_handles:
         examples = iter(torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
                         for shape, dtype in zip(shapes, dtypes))
         values = iter(numbers)
         named = {n: next(examples) if k == "tensor" else next(values) for n, k in zip(names, kinds)}
         program = fn.program_def.trace(**named)
-        _entry_of[key] = len(_entries)
         _entries.append(_Entry(derived_for(fn, program, wrt), names, kinds))
-    return _entry_of[key]
+        fn.training_handles[key] = len(_entries) - 1
+    return fn.training_handles[key]
 
 
 @torch.library.custom_op("neptune_fusion::train_forward", mutates_args=())

@@ -492,6 +492,7 @@ class Compiled:
         self._arity = len(self._names) if plain else -1  # calls with exactly these positionals skip bind()
         self.fallback_reason: str | None = None
         self.training: dict[tuple[Any, ...], Any] = {}  # (program, wrt) -> its derived backward, compiled
+        self.training_handles: dict[tuple[Any, ...], int] = {}  # call layout -> its registered op's handle
 
     # --- compile ------------------------------------------------------------------
     def executable_for(self, program: Program, args: dict[str, Any], plan: Plan | None = None,

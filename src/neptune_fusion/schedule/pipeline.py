@@ -32,7 +32,7 @@ from neptune_fusion.ir.expr import (
     transform_bottom_up,
 )
 from neptune_fusion.ir.program import FusedLoop, InputBuffer, OutputSpec, Program, Stage
-from neptune_fusion.transform.inline import inline_along, inline_elementwise, inline_stages
+from neptune_fusion.transform.inline import inline_along, inline_elementwise, inline_stages, reindex_reductions
 from neptune_fusion.transform.layout import needs_unit_row, with_unit_row
 from neptune_fusion.transform.normalize import hoist_invariant_factors
 from neptune_fusion.transform.polynomial import expand_polynomial_reductions
@@ -56,6 +56,10 @@ def fuse(program: Program, splits: int = 1) -> list[Step]:
         raise FusionError("analysis", program.name, "program", "the program has no reduction to fuse")
     p = inline_elementwise(program)
     steps.append(Step("inline elementwise stages", p))
+    reindexed = reindex_reductions(p)
+    if reindexed is not p:
+        p = reindexed
+        steps.append(Step("a reduction read at other axes: one copy for each", p))
     p = hoist_invariant_factors(p)
     steps.append(Step("commute normalisations past linear reductions", p))
     p = inline_along(p, axis)

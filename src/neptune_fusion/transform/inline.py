@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from neptune_fusion.ir.expr import Expr, Load, substitute_index, transform_bottom_up
+from neptune_fusion.ir.expr import Expr, Index, Load, substitute_index, transform_bottom_up
 from neptune_fusion.ir.program import FusedLoop, Node, Program, Stage
 
 
@@ -63,3 +63,50 @@ def inline_along(program: Program, axis: str) -> Program:
     that is what keeps a query-by-key matrix out of memory.
     """
     return inline_stages(program, lambda st: axis in st.axes)
+
+
+def reindex_reductions(program: Program) -> Program:
+    """A reduction read at other axes than its own becomes a reduction of its own over those
+    axes, its body read there (`sum0[i] = sum_d x[i, d]^2` read at `j` in the Gram matrix of
+    normalised rows: `sum0_at_j[j] = sum_d x[j, d]^2`). Each copy is then a loop member over
+    the same axis for its own rows; the value is the same, computed where it is needed.
+
+    Example:
+        >>> import torch, neptune_fusion as nf
+        >>> @nf.program
+        ... def cosine(x):
+        ...     y = x / nf.sqrt((x * x).sum(axis=-1, keepdims=True))
+        ...     return nf.einsum("id,jd->ij", y, y)
+        >>> [(st.name, st.axes) for st in reindex_reductions(inline_elementwise(cosine.trace(torch.randn(4, 8)))).stages]
+        [('sum0', ('i',)), ('sum0_at_j', ('j',)), ('dot0', ('i', 'j'))]
+    """
+    reductions = {st.name: st for st in program.stages if isinstance(st, Stage) and st.reduce_op is not None}
+    made: dict[tuple[str, tuple[str, ...]], Stage] = {}
+
+    def rule(node: Expr) -> Expr | None:
+        if not (isinstance(node, Load) and node.buffer in reductions):
+            return None
+        stage = reductions[node.buffer]
+        if not all(isinstance(i, Index) for i in node.index):
+            return None
+        axes = tuple(i.axis for i in node.index)  # type: ignore[union-attr]
+        if axes == stage.axes or len(set(axes)) != len(axes) or stage.body.axis in axes:  # type: ignore[union-attr]
+            return None
+        key = (stage.name, axes)
+        if key not in made:
+            body = substitute_index(stage.body, {a: Index(b) for a, b in zip(stage.axes, axes)})
+            made[key] = Stage(f"{stage.name}_at_{'_'.join(axes)}", axes, transform_bottom_up(body, rule))
+        return Load(made[key].name, node.index)
+
+    rewritten = [Stage(n.name, n.axes, transform_bottom_up(n.body, rule)) if isinstance(n, Stage) else n
+                 for n in program.stages]
+    if not made:
+        return program
+    stages: list[Node] = []
+    for node in rewritten:
+        stages.append(node)
+        # each copy right after its original: it reads what the original reads
+        stages.extend(st for (name, _), st in made.items() if isinstance(node, Stage) and name == node.name)
+    out = program.with_stages(stages)
+    out.validate()
+    return out
