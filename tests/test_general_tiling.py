@@ -319,3 +319,19 @@ def test_one_tensor_under_two_letters_is_two_axes(randn):
     q, k, v = (x @ t for t in w)
     want = torch.softmax(q @ k.T * 0.125, -1) @ v
     torch.testing.assert_close(nf.compile(self_attention_of_one_input)(x, *w), want, rtol=1e-4, atol=1e-4)
+
+
+@nf.program
+def cosine_similarity(x):
+    y = x / nf.sqrt((x * x).sum(axis=-1, keepdims=True))
+    return nf.einsum("id,jd->ij", y, y)
+
+
+def test_a_norm_read_under_the_other_letter_is_computed_for_it(randn):
+    """Cosine similarity of x's rows: each row's norm is read at i and at j; the loop over d
+    computes it for both (a copy of the reduction over j), in one kernel."""
+    x = randn(50, 24)
+    fn = _check(cosine_similarity, (x,))
+    y = x / x.norm(dim=-1, keepdim=True)
+    torch.testing.assert_close(fn(x), y @ y.T, rtol=1e-4, atol=1e-4)
+    assert len(_kernels(fn)) == 1
