@@ -79,11 +79,12 @@ def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: 
     elif isinstance(schedule, Auto):
         programs = math.ceil(rows / block_row) * batch
         splits = 0 if programs < num_sms and cols >= 4 * block_col else 1
-    if splits != 1 and rows < MMA_ROWS:
-        # memory-bound (fewer rows than one warpgroup's MMA: each loaded element feeds few
-        # products): 64-wide key tiles, 4 warps, 2 stages keep the most bytes in flight per
-        # multiprocessor, whether the split count is given or chosen. Row tiles of a warpgroup or
-        # more stay compute-bound when split (a matmul's few row tiles) and keep their plan
+    if splits != 1 and rows <= MMA_ROWS:
+        # memory-bound (one row tile of at most one warpgroup's MMA rows: each loaded element
+        # feeds few products, and no other row tile reads it): 64-wide key tiles, 4 warps, 2 stages
+        # keep the most bytes in flight per multiprocessor, whether the split count is given or
+        # chosen. More rows stay compute-bound when split (a matmul's few row tiles, all reading the
+        # same columns) and keep their plan
         if not interpreter:
             block_col, warps, stages = 64, 4, 2
     if splits != 1:
