@@ -17,6 +17,7 @@ from typing import Any
 from unittest import mock
 
 import torch
+from torch.nn.attention.flex_attention import create_block_mask
 
 import neptune_fusion as nf
 from bench.backward import DIM, HEADS, case_mods, fwd_bwd
@@ -64,7 +65,6 @@ def main() -> None:
                            for _ in range(3))
                 grad = torch.randn_like(q)
                 score_mod, mask_mod, _ = case_mods(case, seq, torch.ones(HEADS, device="cuda"))
-                from torch.nn.attention.flex_attention import create_block_mask
                 block = create_block_mask(mask_mod, None, None, seq, seq, device="cuda") if mask_mod else None
                 step = fwd_bwd(lambda: nf.attention(q, k, v, score_mod=score_mod, block_mask=block), [q, k, v], grad)
                 before = len(made)

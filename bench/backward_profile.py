@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import create_block_mask
 from torch.profiler import ProfilerActivity, profile
 
 import neptune_fusion as nf
@@ -58,19 +59,14 @@ def host_profile(step: Callable[[], Any], steps: int = 3) -> str:
 
 def linear_ce_step(tokens: int = 8192, hidden: int = 4096, vocab: int = 128256) -> Callable[[], Any]:
     """Linear cross-entropy fwd+bwd at Llama-3 sizes (bf16), as bench/linear_ce.py runs it."""
+    from bench.linear_ce import step
     from neptune_fusion.library import linear_cross_entropy
 
     torch.manual_seed(0)
     h = torch.randn(tokens, hidden, device="cuda").bfloat16().requires_grad_()
     w = (torch.randn(vocab, hidden, device="cuda") * 0.02).bfloat16().requires_grad_()
     target = torch.randint(0, vocab, (tokens,), device="cuda")
-    seed = torch.randn(tokens, device="cuda")
-    loss = nf.compile(linear_cross_entropy)
-
-    def run() -> Any:
-        out = loss(h, w, target)
-        return torch.autograd.grad(out, (h, w), seed.to(out.dtype))
-    return run
+    return step(nf.compile(linear_cross_entropy), h, w, target, torch.rand(tokens, device="cuda") + 0.5)
 
 
 def systems(case: str, seq: int, dtype: torch.dtype) -> dict[str, Callable[[], Any]]:
@@ -79,8 +75,6 @@ def systems(case: str, seq: int, dtype: torch.dtype) -> dict[str, Callable[[], A
     grad = torch.randn_like(q)
     slopes = torch.ones(HEADS, device="cuda")
     score_mod, mask_mod, fa4_args = case_mods(case, seq, slopes)
-    from torch.nn.attention.flex_attention import create_block_mask
-
     block = create_block_mask(mask_mod, None, None, seq, seq, device="cuda") if mask_mod is not None else None
     out = {"ours": fwd_bwd(lambda: nf.attention(q, k, v, score_mod=score_mod, block_mask=block), [q, k, v], grad)}
     if score_mod is None and case in ("causal", "global"):

@@ -32,16 +32,14 @@ def main() -> None:
     x = torch.randn(8192, 4096, generator=g, device="cuda").half()
     w = (torch.randn(4096, 4096, generator=g, device="cuda") * 4096 ** -0.5).half()
     xf, wf = x.float(), w.float()
-    refs = {"rmsnorm_matmul": (xf / torch.sqrt((xf ** 2).mean(-1, keepdim=True) + 1e-6)) @ wf,
-            "layernorm_matmul": ((xf - xf.mean(-1, keepdim=True))
-                                 / torch.sqrt(xf.var(-1, unbiased=False, keepdim=True) + 1e-5)) @ wf}
+    normalised = {"rmsnorm_matmul": xf / torch.sqrt((xf ** 2).mean(-1, keepdim=True) + 1e-6),
+                  "layernorm_matmul": (xf - xf.mean(-1, keepdim=True))
+                  / torch.sqrt(xf.var(-1, unbiased=False, keepdim=True) + 1e-5)}
     rows = []
     base = Options.from_environment()
     for name, prog in (("rmsnorm_matmul", rmsnorm_matmul), ("layernorm_matmul", layernorm_matmul)):
-        ref = refs[name]
-        torch_fp16 = (((xf / torch.sqrt((xf ** 2).mean(-1, keepdim=True) + 1e-6)) if name == "rmsnorm_matmul" else
-                       (xf - xf.mean(-1, keepdim=True)) / torch.sqrt(xf.var(-1, unbiased=False, keepdim=True) + 1e-5))
-                      .half() @ w)
+        ref = normalised[name] @ wf
+        torch_fp16 = normalised[name].half() @ w
         rows.append({"case": name, "config": "torch fp16", **blocks(torch_fp16, ref)})
         for label, schedule, options in (("default", None, base),
                                          ("no descriptors", None, dataclasses.replace(base, tma="0")),

@@ -2,7 +2,7 @@
 
 Example:
     $ neptune-fusion demo
-    $ neptune-fusion bench --suite decode --seqs 4096 16384 --out bench/results/run46
+    $ neptune-fusion bench --suite decode --seqs 4096 16384 --out bench/results/decode
 """
 
 from __future__ import annotations

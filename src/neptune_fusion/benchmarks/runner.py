@@ -3,8 +3,7 @@ process, in interleaved rounds; results written after each case into one folder 
 
 Timing on the GPU is `triton.testing.do_bench`'s median (after its warm-up; it clears the L2 before
 every repetition), and each system keeps its best median over the rounds: short cases swing between
-moments of one run and interleaving gives every system the same moments (bench/NOTES.md items 13,
-19, 33). Host cases time the host side of a call while the GPU keeps up. Without a GPU the kernels
+moments of one run and interleaving gives every system the same moments. Host cases time the host side of a call while the GPU keeps up. Without a GPU the kernels
 run under Triton's interpreter and a wall-clock median stands in: only the mechanism is checked then.
 
 Example:
@@ -152,7 +151,7 @@ def host_floors() -> dict[str, float]:
 
 def warm_up_gpu(seconds: float = 1.0) -> None:
     """Matmuls for a while, so clocks have left their idle state before the first timing (the first
-    case of a process read up to 1.5x slow otherwise, bench/NOTES.md item 13)."""
+    case of a process otherwise reads slow)."""
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.float16)
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:

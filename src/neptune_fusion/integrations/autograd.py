@@ -142,7 +142,7 @@ def contract_into(spec: str, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor
               and len(set(left) | set(right)) == 3)
     if matmul and result[0] in right:
         a, b, left, right = b, a, right, left
-    if not matmul or result[0] not in left or result[1] not in right:
+    if not matmul:
         part = torch.einsum(spec, a, b)
         part = part * scale if scale != 1.0 else part
         if accumulate:

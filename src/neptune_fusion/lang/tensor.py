@@ -510,10 +510,7 @@ def _alias_repeated_dims(term: str, op: SymTensor, letters: dict[str, Dim], trac
         if dim is None or named.get(dim.find().uid, letter) == letter:
             continue
         fresh = Dim(dim.find().size, f"{dim.hint}'")
-        aliases = getattr(tracer, "aliases", None)
-        if aliases is None:
-            aliases = tracer.aliases = []
-        aliases.append((fresh, dim))
+        tracer.aliases.append((fresh, dim))
         renames[dim.var] = fresh.var
         dims[k] = fresh
     if not renames:

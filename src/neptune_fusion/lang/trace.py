@@ -67,6 +67,7 @@ class Tracer:
         self.counts: dict[str, int] = {}
         self.inputs: list[tuple[str, tuple[Dim, ...], str]] = []
         self.memo: dict[tuple[Expr, tuple[str | None, ...]], SymTensor] = {}
+        self.aliases: list[tuple[Dim, Dim]] = []  # (fresh dim, the dim whose size it has): einsum's x, x
 
     def fresh(self, prefix: str) -> str:
         n = self.counts.get(prefix, 0)
@@ -182,8 +183,7 @@ def _finalize(
     for _, dims, _ in tracer.inputs:
         all_dims.extend(dims)
     all_dims.extend(getattr(tracer, "extra_dims", ()))  # dims made by views (nf.repeat_interleave)
-    aliases = getattr(tracer, "aliases", ())  # (fresh dim, the dim whose size it has): einsum's x, x
-    all_dims.extend(fresh for fresh, _ in aliases)
+    all_dims.extend(fresh for fresh, _ in tracer.aliases)
     for d in all_dims:
         roots.setdefault(d.find().uid, d.find())
     taken: set[str] = set()
@@ -210,7 +210,7 @@ def _finalize(
     for n, dims, _ in tracer.inputs:
         for i, d in enumerate(dims):
             axis_sizes.setdefault(names[d.var], (n, i))
-    for fresh, source in aliases:
+    for fresh, source in tracer.aliases:
         if names[source.var] in axis_sizes:
             axis_sizes.setdefault(names[fresh.var], axis_sizes[names[source.var]])
     outs = tuple(OutputSpec(o.stage, tuple(names[d] if d else None for d in o.dims)) for o in outputs)

@@ -74,10 +74,10 @@ def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: 
         stages = 3 if head <= 128 else 2
     splits = 1
     prefetch = False
+    programs = math.ceil(rows / block_row) * batch
     if isinstance(schedule, SplitK):
         splits = schedule.splits or 0
     elif isinstance(schedule, Auto):
-        programs = math.ceil(rows / block_row) * batch
         splits = 0 if programs < num_sms and cols >= 4 * block_col else 1
     if splits != 1 and rows <= MMA_ROWS:
         # memory-bound (one row tile of at most one warpgroup's MMA rows: each loaded element
@@ -87,8 +87,6 @@ def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: 
         # same columns) and keep their plan
         if not interpreter:
             block_col, warps, stages = 64, 4, 2
-    if splits != 1:
-        programs = math.ceil(rows / block_row) * batch
     if splits == 0:
         # about four programs per multiprocessor keep enough loads in flight, rounded down so no
         # multiprocessor gets an extra one; each chunk at least four tiles long. The combine merges
