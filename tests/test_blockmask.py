@@ -21,7 +21,13 @@ from torch.nn.attention import flex_attention as flex  # noqa: E402
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask, flex_attention  # noqa: E402
 
 import neptune_fusion as nf  # noqa: E402
-from neptune_fusion.integrations.blockmask import BlockTables, as_mask_mod, block_tables, visible  # noqa: E402
+from neptune_fusion.integrations.blockmask import (  # noqa: E402
+    BlockTables,
+    as_mask_mod,
+    block_tables,
+    implied_by_mask_mod,
+    visible,
+)
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning",
@@ -336,3 +342,138 @@ def test_a_block_mask_is_densified_once_and_again_when_its_lists_change() -> Non
     out = nf.attention(q, k, v, block_mask=bm)
     assert blockmap.builds == before + 2
     torch.testing.assert_close(out, flex_reference(q, k, v, expected_keep(bm, 2, 2, 200, 136)), atol=1e-4, rtol=1e-4)
+
+
+# --------------------------------------------------------------------------- tables the mask_mod implies
+
+
+def by_head(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    return (q_idx >= kv_idx) & ((h == 0) | (q_idx - kv_idx <= 48))  # head 0 causal, the others a window
+
+
+def implied(bm: BlockMask, batch: int, heads: int) -> bool:
+    q_len, kv_len = bm.seq_lengths
+    return implied_by_mask_mod(block_tables(bm, batch, heads, q_len, kv_len), batch, heads, q_len, kv_len)
+
+
+def with_full_block(bm: BlockMask, row: int, col: int) -> BlockMask:
+    """`bm` with block (row, col) moved from wherever it was listed to the full lists."""
+    partial = loop_table(bm.kv_num_blocks, bm.kv_indices, *bm.kv_num_blocks.shape[2:], bm.kv_indices.shape[3])
+    full = loop_table(bm.full_kv_num_blocks, bm.full_kv_indices, *bm.kv_num_blocks.shape[2:], bm.kv_indices.shape[3])
+    partial[..., row, col], full[..., row, col] = False, True
+    gen = torch.Generator().manual_seed(0)
+    return BlockMask.from_kv_blocks(*random_lists(partial, gen), *random_lists(full, gen), BLOCK_SIZE=bm.BLOCK_SIZE,
+                                    mask_mod=bm.mask_mod, seq_lengths=bm.seq_lengths)
+
+
+@pytest.mark.parametrize("mask_mod", [causal, sliding, documents])
+@pytest.mark.parametrize("block", [64, (128, 32)])
+def test_create_block_mask_is_implied_by_its_mask_mod(mask_mod: Callable[..., Any],
+                                                      block: int | tuple[int, int]) -> None:
+    bm = create_block_mask(mask_mod, None, None, 200, 136, device="cpu", BLOCK_SIZE=block)
+    assert implied(bm, 2, 3)
+    assert not implied(with_full_block(bm, 0, 1), 2, 3)  # above every diagonal: a full block with masked positions
+    skipped = BlockMask.from_kv_blocks(bm.kv_num_blocks.clamp(max=0), bm.kv_indices, BLOCK_SIZE=block,
+                                       mask_mod=mask_mod, seq_lengths=(200, 136))
+    assert not implied(skipped, 2, 3)  # no block listed, while mask_mod keeps some positions
+    everywhere = torch.ones(1, 1, cdiv(200, skipped.BLOCK_SIZE[0]), cdiv(136, skipped.BLOCK_SIZE[1]), dtype=torch.bool)
+    partial = BlockMask.from_kv_blocks(*random_lists(everywhere, torch.Generator().manual_seed(1)), BLOCK_SIZE=block,
+                                       mask_mod=mask_mod, seq_lengths=(200, 136))
+    assert implied(partial, 2, 3)  # partial blocks may hold anything
+
+
+def test_implied_at_every_batch_entry_and_head_of_the_call() -> None:
+    doc = torch.stack([torch.arange(200) // 70, torch.arange(200) // 40])  # per batch entry
+
+    def per_entry(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return doc[b, q_idx] == doc[b, kv_idx]
+
+    # a broadcast BlockMask holds the tables of b = 0 / h = 0: right for the call's other entries
+    # and heads only where mask_mod does not depend on them
+    assert not implied(create_block_mask(per_entry, None, None, 200, 200, device="cpu", BLOCK_SIZE=64), 2, 3)
+    assert implied(create_block_mask(per_entry, None, None, 200, 200, device="cpu", BLOCK_SIZE=64), 1, 3)
+    assert implied(create_block_mask(per_entry, 2, None, 200, 200, device="cpu", BLOCK_SIZE=64), 2, 3)
+    assert not implied(create_block_mask(by_head, 1, 1, 200, 200, device="cpu", BLOCK_SIZE=64), 2, 3)
+    assert implied(create_block_mask(by_head, 1, 1, 200, 200, device="cpu", BLOCK_SIZE=64), 2, 1)
+    assert implied(create_block_mask(by_head, 1, 3, 200, 200, device="cpu", BLOCK_SIZE=64), 2, 3)
+
+
+def test_implied_in_small_chunks_and_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
+    import neptune_fusion.integrations.blockmask as blockmask
+
+    good = create_block_mask(by_head, 1, 3, 200, 136, device="cpu", BLOCK_SIZE=(64, 32))
+    bad = with_full_block(create_block_mask(by_head, 1, 3, 200, 136, device="cpu", BLOCK_SIZE=(64, 32)), 3, 1)
+    for chunk in (64 * 32 * 3, 64 * 32, 100):  # one block row of one head; one block; less than one block
+        monkeypatch.setattr(blockmask, "_CHUNK_POSITIONS", chunk)
+        assert implied(good, 2, 3) and not implied(bad, 2, 3)
+    monkeypatch.setattr(blockmask, "_MAX_POSITIONS", 200 * 136 * 3 - 1)  # one position too many to evaluate
+    assert not implied(good, 2, 3)
+    noop = kv_blocks_mask(1, 1, 4, 5, (64, 32), (200, 136), None)
+    assert not implied(noop, 2, 3)  # the no-op mask_mod keeps every position: skipped blocks say more
+    everywhere = torch.ones(1, 1, 4, 5, dtype=torch.bool)
+    assert implied(BlockMask.from_kv_blocks(*random_lists(everywhere, torch.Generator()), BLOCK_SIZE=(64, 32),
+                                            seq_lengths=(200, 136)), 2, 3)
+
+    def fails(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        raise RuntimeError("not under vmap")
+
+    bm = create_block_mask(causal, None, None, 200, 136, device="cpu", BLOCK_SIZE=64)
+    bm.mask_mod = fails
+    assert not implied(bm, 2, 3)
+
+
+def block_mapped(q: torch.Tensor, k: torch.Tensor, bm: BlockMask) -> bool:
+    """Whether nf.attention traces `bm` as its tables (else as its mask_mod alone)."""
+    from neptune_fusion.integrations.attention import Outputs, _request
+
+    request, extras = _request(q, k, None, bm, None, False, Outputs(), None)
+    assert (request.builtins.block is None) == (extras == ())
+    return request.builtins.block is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_attention_with_an_implied_block_mask_traces_its_mask_mod(dtype: torch.dtype) -> None:
+    bm = create_block_mask(causal, None, None, 200, 136, device="cpu", BLOCK_SIZE=64)
+    q, k, v = qkv(1, 2, 200, 136, 16, dtype, seed=4)
+    assert not block_mapped(q, k, bm)
+    assert set(nf.attention_inputs(q, k, v, block_mask=bm)) == {"q", "k", "v", "scale"}  # no tables
+    program = nf.attention_program(q, k, v, block_mask=bm)
+    assert program.fingerprint() == nf.attention_program(q, k, v, mask_mod=causal).fingerprint()
+    out = nf.attention(q, k, v, block_mask=bm)
+    assert torch.equal(out, nf.attention(q, k, v, mask_mod=causal))
+    tol = 1e-4 if dtype == torch.float32 else 3e-3
+    torch.testing.assert_close(out.float(), flex_reference(q, k, v, create_mask(causal, 1, 2, 200, 136)),
+                               atol=tol, rtol=tol)
+
+
+def test_attention_with_tables_the_mask_mod_does_not_imply_stays_block_mapped() -> None:
+    q, k, v = qkv(2, 2, 200, 136, 16, seed=5)
+    edited = with_full_block(create_block_mask(causal, None, None, 200, 136, device="cpu", BLOCK_SIZE=64), 0, 1)
+    per_head = create_block_mask(by_head, None, None, 200, 136, device="cpu", BLOCK_SIZE=64)  # the tables of head 0
+    noop = kv_blocks_mask(1, 1, 4, 5, (64, 32), (200, 136), None, seed=6)
+    for bm in (edited, per_head, noop):
+        assert block_mapped(q, k, bm)
+        torch.testing.assert_close(nf.attention(q, k, v, block_mask=bm),
+                                   flex_reference(q, k, v, expected_keep(bm, 2, 2, 200, 136)), atol=1e-4, rtol=1e-4)
+
+
+def test_the_verdict_is_kept_per_block_mask_and_what_its_mask_mod_reads() -> None:
+    import neptune_fusion.integrations.blockmask as blockmask
+
+    doc = torch.arange(128) // 48
+
+    def same_doc(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return doc[q_idx] == doc[kv_idx]
+
+    bm = create_block_mask(same_doc, None, None, 128, 128, device="cpu", BLOCK_SIZE=32)
+    q, k, v = qkv(1, 2, 128, 128, 16, seed=7)
+    calls = []
+    check = blockmask.implied_by_mask_mod
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("neptune_fusion.integrations.attention.implied_by_mask_mod",
+                   lambda *args: calls.append(1) or check(*args))
+        assert not block_mapped(q, k, bm) and not block_mapped(q, k, bm) and len(calls) == 1
+        doc[40:] = 0  # one document now: the lists (made for three) skip blocks mask_mod keeps
+        assert block_mapped(q, k, bm) and len(calls) == 2
+    torch.testing.assert_close(nf.attention(q, k, v, block_mask=bm),
+                               flex_reference(q, k, v, expected_keep(bm, 1, 2, 128, 128)), atol=1e-4, rtol=1e-4)

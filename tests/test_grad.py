@@ -415,24 +415,32 @@ def test_a_backward_that_cannot_be_planned_raises_at_the_forward_call() -> None:
 def test_a_training_step_with_a_block_mask_builds_no_block_map_again() -> None:
     """The backward kernels' block maps come from the BlockMask alone: the guard of rows the forward
     left empty (which reads the saved max, new every step) stays arithmetic, so the second step
-    finds every map in its cache. Gradients as the dense formula's."""
-    from torch.nn.attention.flex_attention import create_block_mask
+    finds every map in its cache. The BlockMask's tables say more than its mask_mod (a full block
+    above the diagonal), so the call stays block-mapped. Gradients as the dense formula's."""
+    from torch.nn.attention.flex_attention import BlockMask
 
     import neptune_fusion.runtime.blockmap as blockmap
 
+    def lists(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # listed blocks first
+        return table.sum(-1).int()[None, None], (~table).int().argsort(dim=-1, stable=True).int()[None, None]
+
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 2, 64, 16, dtype=torch.float64) for _ in range(3))
-    block = create_block_mask(lambda b, h, i, j: i >= j + 3, None, None, 64, 64, device="cpu", BLOCK_SIZE=16)
+    rows, cols = torch.arange(4)[:, None], torch.arange(4)[None]
+    full = (rows >= cols + 2) | ((rows == 0) & (cols == 3))
+    partial = (rows == cols) | (rows == cols + 1)
+    block = BlockMask.from_kv_blocks(*lists(partial), *lists(full), BLOCK_SIZE=16, seq_lengths=(64, 64),
+                                     mask_mod=lambda b, h, i, j: i >= j + 3)
     seed = torch.randn(1, 2, 64, 16, dtype=torch.float64)
     for step in range(2):
         leaves = [t.float().requires_grad_() for t in (q, k, v)]
         before = blockmap.builds
         got = torch.autograd.grad(nf.attention(*leaves, block_mask=block), leaves, seed.float())
-        if step == 1:
-            assert blockmap.builds == before
+        assert (blockmap.builds > before) == (step == 0)
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
     i, j = torch.arange(64)[:, None], torch.arange(64)[None]
-    s = (ref[0] @ ref[1].transpose(-1, -2) / 4.0).masked_fill(~(i >= j + 3), -math.inf)
+    keep = full[i // 16, j // 16] | (partial[i // 16, j // 16] & (i >= j + 3))
+    s = (ref[0] @ ref[1].transpose(-1, -2) / 4.0).masked_fill(~keep, -math.inf)
     want = torch.autograd.grad(torch.softmax(s, -1).nan_to_num(0.0) @ ref[2], ref, seed)
     assert_grads(got, want, tol=1e-4)
 

@@ -6,7 +6,8 @@ attention program
     s = q @ k^T * scale                      (default scale 1 / sqrt(head_dim))
     s = score_mod(s, b, h, q_idx, kv_idx)
     s = where(keep(b, h, q_idx, kv_idx), s, -inf)      (keep: the mask_mod, or a BlockMask's lists
-                                                        and mask_mod: integrations/blockmask.py)
+                                                        and mask_mod: integrations/blockmask.py;
+                                                        its mask_mod alone where that implies them)
     m = max_kv s;  p = exp(s - m);  l = sum_kv p;  u = p @ v
     out = where(m == -inf, 0, u / l)         (a row with no visible key gives 0; NaN stays NaN)
     lse = where(m == -inf, -inf, m + log(l)) (on request; natural log, float32; max scores: m)
@@ -59,7 +60,7 @@ import torch
 
 from neptune_fusion.integrations.autograd import handle_for
 from neptune_fusion.integrations.autograd import train_forward as _train_forward
-from neptune_fusion.integrations.blockmask import block_tables, visible
+from neptune_fusion.integrations.blockmask import block_tables, implied_by_mask_mod, mask_mod_of, visible
 from neptune_fusion.ir.expr import Const, simplify
 from neptune_fusion.ir.program import Program
 from neptune_fusion.lang.ops import einsum, exp, index, log, repeat_interleave, size, tanh, where
@@ -859,40 +860,50 @@ def mask_arguments(block_mask: Any, mask_mod: Any, q: torch.Tensor) -> tuple[Any
     return block_mask, None
 
 
-# a BlockMask's dense tables, by the mask and the call's sizes: the same tables on every call, so the
-# block maps built from them are found in their cache (keyed by the tensors they read) instead of
-# rebuilt per call, in the forward and in each backward kernel
-_TABLES: OrderedDict[tuple[Any, ...], tuple[weakref.ref[Any], Any]] = OrderedDict()
+# a BlockMask's dense tables, by the mask and the call's sizes, with whether its mask_mod implies
+# them: the same tables on every call, so the block maps built from them are found in their cache
+# (keyed by the tensors they read) instead of rebuilt per call, in the forward and in each backward
+# kernel; and the mask_mod is evaluated over the whole grid once, not per call
+_TABLES: OrderedDict[tuple[Any, ...], tuple[weakref.ref[Any], Any, bool]] = OrderedDict()
 _TABLES_SIZE = 32
 
 
-def _tables_of(block_mask: Any, batch: int, heads: int, q_len: int, kv_len: int) -> Any:
-    """`block_tables(...)`, cached per BlockMask object and the versions of its block lists (not
-    while tracing or capturing a CUDA graph: there the densification is part of what is recorded)."""
+def _tables_of(block_mask: Any, batch: int, heads: int, q_len: int, kv_len: int) -> tuple[Any, bool]:
+    """`block_tables(...)` and `implied_by_mask_mod(...)` of them, cached per BlockMask object, the
+    versions of its block lists and what its mask_mod reads (its verdict depends on their values).
+    Neither cached nor checked while tracing or capturing a CUDA graph: there the densification is
+    part of what is recorded, and the tables, always right, stay."""
     if torch.compiler.is_compiling() or CALL_STATE.private or in_cudagraph_tree():
-        return block_tables(block_mask, batch, heads, q_len, kv_len)
+        return block_tables(block_mask, batch, heads, q_len, kv_len), False
     lists = (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
              block_mask.full_kv_indices)
+    walk = _Walk()
+    mod_key = _fn_key(mask_mod_of(block_mask), walk)
     key = (id(block_mask), id(block_mask.mask_mod), tuple(block_mask.BLOCK_SIZE), batch, heads, q_len, kv_len,
-           tuple(None if t is None else (t.data_ptr(), t._version, tuple(t.shape), t.stride()) for t in lists))
+           tuple(None if t is None else (t.data_ptr(), t._version, tuple(t.shape), t.stride()) for t in lists),
+           mod_key, tuple((id(t), t.data_ptr(), t._version) for t in walk.tensors))
     hit = _TABLES.get(key)
     if hit is not None and hit[0]() is block_mask:
         _TABLES.move_to_end(key)
-        return hit[1]
+        return hit[1], hit[2]
     tables = block_tables(block_mask, batch, heads, q_len, kv_len)
-    _TABLES[key] = (weakref.ref(block_mask), tables)
+    implied = implied_by_mask_mod(tables, batch, heads, q_len, kv_len)
+    _TABLES[key] = (weakref.ref(block_mask), tables, implied)
     while len(_TABLES) > _TABLES_SIZE:
         _TABLES.popitem(last=False)
-    return tables
+    return tables, implied
 
 
 def _block_builtins(block_mask: Any, mask_mod: Any, q: torch.Tensor, k: torch.Tensor
                     ) -> tuple[Any, tuple[int, int, bool] | None, tuple[torch.Tensor, ...]]:
-    """(the mask_mod to trace, the block-table builtin, the tables) of a call's mask arguments."""
+    """(the mask_mod to trace, the block-table builtin, the tables) of a call's mask arguments: a
+    BlockMask whose mask_mod implies its tables is traced as that mask_mod alone."""
     block_mask, mask_mod = mask_arguments(block_mask, mask_mod, q)
     if block_mask is None:
         return mask_mod, None, ()
-    tables = _tables_of(block_mask, q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    tables, implied = _tables_of(block_mask, q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    if implied:
+        return tables.mask_mod, None, ()
     extras = (tables.partial,) if tables.full is None else (tables.partial, tables.full)
     return tables.mask_mod, (tables.q_block, tables.kv_block, tables.full is not None), extras
 
@@ -935,8 +946,12 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score
     `enable_gqa=True` and `Hq % Hkv == 0`. `score_mod(score, b, h, q_idx, kv_idx)` returns the
     modified score (already scaled). `block_mask` (a FlexAttention `BlockMask`) is honoured as
     compiled FlexAttention honours it: only listed blocks are visited, its `mask_mod` applies in
-    partial blocks, full blocks are visible whole. `mask_mod=` is a shortcut for a mask given as a
-    function (analysed exactly: affine masks become loop bounds). Rows with no visible key give 0.
+    partial blocks, full blocks are visible whole. Where its `mask_mod` implies the lists (no
+    masked position in a full block, no visible one in an unlisted block: `create_block_mask`'s
+    lists), the call is `mask_mod=block_mask.mask_mod`, checked once per BlockMask and sizes
+    (outside torch.compile; `blockmask.implied_by_mask_mod`). `mask_mod=` is a shortcut for a mask
+    given as a function (analysed exactly: affine masks become loop bounds). Rows with no visible
+    key give 0.
     Returns the output (B, Hq, Lq, Ev) in the input dtype; with `return_lse` also the logsumexp
     (B, Hq, Lq) in float32; with `return_aux=AuxRequest(lse=..., max_scores=...)` the output and
     an `AuxOutput`. `kernel_options` keys BLOCK_M, BLOCK_N, num_warps and num_stages set the

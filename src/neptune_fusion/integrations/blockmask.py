@@ -13,12 +13,21 @@ is 1 (broadcast). Positions past the sequence lengths never exist (the inputs' l
 lists and applies only `mask_mod`; this module follows the compiled kernels, which is what a
 `BlockMask.from_kv_blocks(...)` (whose mask_mod is a no-op) relies on.
 
+Most BlockMasks say nothing their mask_mod does not: `create_block_mask` lists a block as full
+only where mask_mod keeps every position and skips it only where mask_mod keeps none. Then the
+keep condition above is mask_mod itself, and `implied_by_mask_mod(tables, ...)` says so (it
+evaluates mask_mod over the whole grid, a chunk of query blocks at a time); `nf.attention` then
+traces mask_mod alone, so the compiler analyses it as it would `mask_mod=` (a causal triangle
+becomes loop bounds) instead of reading the tables.
+
 Two steps, so the caller can cache the first and trace the second:
 - `block_tables(block_mask, batch, heads, q_len, kv_len)` validates the BlockMask against the
   inputs and builds the dense boolean tables (torch ops only, traceable by dynamo fullgraph);
 - `visible(...)` (or the ready-made `as_mask_mod(tables)`) is the keep condition above, written as
   an ordinary FlexAttention mask_mod body, so nf's tracer turns the table reads into gathers of
-  captured tensors.
+  captured tensors;
+- `implied_by_mask_mod(...)` (optional, not traceable) says whether the tables add nothing to
+  the BlockMask's mask_mod, so that mask_mod alone may stand for the whole BlockMask.
 
 Example:
     >>> import torch
@@ -34,6 +43,8 @@ Example:
     >>> t.partial[0, 0].int().tolist()
     [[1, 0, 0], [0, 1, 0], [0, 0, 1], [1, 1, 1]]
     >>> mask_mod = as_mask_mod(t)       # then: nf.attention(q, k, v, mask_mod=mask_mod)
+    >>> implied_by_mask_mod(t, batch=2, heads=4, q_len=200, kv_len=136)   # ... or mask_mod=causal
+    True
 """
 
 from __future__ import annotations
@@ -43,9 +54,9 @@ from typing import Any, Callable
 
 import torch
 from torch.nn.attention import flex_attention as _flex
-from torch.nn.attention.flex_attention import BlockMask
+from torch.nn.attention.flex_attention import BlockMask, create_mask
 
-__all__ = ["BlockTables", "as_mask_mod", "block_tables", "visible"]
+__all__ = ["BlockTables", "as_mask_mod", "block_tables", "implied_by_mask_mod", "mask_mod_of", "visible"]
 
 MaskMod = Callable[[Any, Any, Any, Any], Any]
 
@@ -53,6 +64,10 @@ MaskMod = Callable[[Any, Any, Any, Any], Any]
 # sequence-length check for it (private in torch, hence the fallback)
 _LARGE_BLOCK = getattr(_flex, "_LARGE_SPARSE_BLOCK_SIZE", 1 << 30)
 _SLICED_MASK_MOD = getattr(_flex, "_sliced_mask_mod_error", None)  # torch >= 2.9 only
+# implied_by_mask_mod: mask positions evaluated at once (the bool mask's bytes; its padded copy
+# doubles it), and the most it evaluates in all before it gives up (answers False) as too costly
+_CHUNK_POSITIONS = 1 << 25
+_MAX_POSITIONS = 1 << 34
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: comparing tensor fields elementwise would be meaningless
@@ -133,6 +148,24 @@ def _dense(num: torch.Tensor, idx: torch.Tensor, rows: int, cols: int) -> torch.
     return table[..., :cols] != 0
 
 
+def _unwrapped(mask_mod: Any) -> Any:
+    """The function inside torch's pytree wrapper of a BlockMask's mask_mod (else mask_mod)."""
+    return getattr(mask_mod, "fn", mask_mod) if type(mask_mod).__name__ == "_MaskModWrapper" else mask_mod
+
+
+def mask_mod_of(block_mask: BlockMask) -> MaskMod | None:
+    """The mask_mod `block_tables` gives: the BlockMask's own function, None for torch's no-op.
+
+    Example:
+        >>> from torch.nn.attention.flex_attention import create_block_mask
+        >>> causal = lambda b, h, q_idx, kv_idx: q_idx >= kv_idx
+        >>> mask_mod_of(create_block_mask(causal, None, None, 64, 64, device="cpu")) is causal
+        True
+    """
+    mask_mod = _unwrapped(block_mask.mask_mod)
+    return None if mask_mod is _flex.noop_mask else mask_mod
+
+
 def block_tables(block_mask: BlockMask, batch: int, heads: int, q_len: int, kv_len: int) -> BlockTables:
     """Validate `block_mask` for inputs (batch, heads [query heads], q_len, kv_len) and densify its lists.
 
@@ -145,8 +178,7 @@ def block_tables(block_mask: BlockMask, batch: int, heads: int, q_len: int, kv_l
     """
     if not isinstance(block_mask, BlockMask):
         raise TypeError(f"block_mask must be a torch.nn.attention.flex_attention.BlockMask, got {type(block_mask).__name__}")
-    mask_mod = block_mask.mask_mod
-    mask_mod = getattr(mask_mod, "fn", mask_mod) if type(mask_mod).__name__ == "_MaskModWrapper" else mask_mod
+    mask_mod = _unwrapped(block_mask.mask_mod)
     if _SLICED_MASK_MOD is not None and mask_mod is _SLICED_MASK_MOD:
         raise RuntimeError(
             "Cannot use mask_mod from a sliced BlockMask: set block_mask.mask_mod from the original BlockMask's "
@@ -210,3 +242,112 @@ def as_mask_mod(tables: BlockTables) -> MaskMod:
         return visible(partial, full, q_block, kv_block, keep, b, h, q_idx, kv_idx)
 
     return block_mask_mod
+
+
+def implied_by_mask_mod(tables: BlockTables, batch: int, heads: int, q_len: int, kv_len: int) -> bool:
+    """Whether the tables add nothing to their mask_mod: `visible(...)` is mask_mod everywhere.
+
+    True iff, at every (b, h) of inputs with `batch` entries and `heads` query heads, each full
+    block holds no position mask_mod masks and each block neither full nor partial holds no
+    position it keeps (partial blocks may hold anything; positions past q_len / kv_len don't
+    exist). mask_mod is evaluated with torch ops on the tables' device (vmapped, as `create_mask`
+    does), about 32M positions at a time, at a single b (h) where its value cannot depend on b (h).
+    The answer is False, which is always safe, where mask_mod fails to evaluate or the evaluation
+    would exceed 2**34 positions. Reads tensor values: not for torch.compile; cache the answer.
+
+    Example:
+        >>> from torch.nn.attention.flex_attention import create_block_mask
+        >>> causal = lambda b, h, q_idx, kv_idx: q_idx >= kv_idx
+        >>> bm = create_block_mask(causal, None, None, 128, 128, device="cpu", BLOCK_SIZE=64)
+        >>> implied_by_mask_mod(block_tables(bm, 2, 4, 128, 128), 2, 4, 128, 128)
+        True
+        >>> skip = BlockMask.from_kv_blocks(torch.tensor([[[1, 1]]]), torch.tensor([[[[0, 1], [0, 1]]]]),
+        ...                                 BLOCK_SIZE=64, seq_lengths=(128, 128), mask_mod=causal)
+        >>> implied_by_mask_mod(block_tables(skip, 2, 4, 128, 128), 2, 4, 128, 128)  # (1, 1) skipped
+        False
+    """
+    partial, full = tables.partial, tables.full
+    listed = partial if full is None else partial | full
+    if tables.mask_mod is None:  # the no-op mask_mod keeps everything: only a grid listed whole adds nothing
+        return bool(listed.all())
+    if q_len == 0 or kv_len == 0:
+        return True
+    qb, kb = min(tables.q_block, q_len), min(tables.kv_block, kv_len)  # one block spans a shorter sequence
+    try:
+        with torch.no_grad():
+            by_b, by_h = _varies(tables.mask_mod, batch, heads, q_len, kv_len, partial.device)
+            nb, nh = (batch if by_b else 1), (heads if by_h else 1)
+            if nb * nh * q_len * kv_len > _MAX_POSITIONS:
+                return False
+            for box in _boxes(nb, nh, partial.shape[2], partial.shape[3], qb, kb):
+                if not _box_implied(tables.mask_mod, listed, full, box, qb, kb, q_len, kv_len, by_b, by_h):
+                    return False
+    except Exception:  # noqa: BLE001 - a mask_mod torch cannot evaluate eagerly: the tables stay
+        return False
+    return True
+
+
+def _varies(mask_mod: MaskMod, batch: int, heads: int, q_len: int, kv_len: int,
+            device: torch.device) -> tuple[bool, bool]:
+    """Whether mask_mod's value may differ between batch entries / between heads.
+
+    create_mask vmaps over b and h; a result vmap never batched over one of them comes back
+    expanded along it (stride 0). Then no operation read that index, whatever the others are (no
+    Python code sees a vmapped index's value, so every evaluation runs the same operations), and
+    one value of it stands for all. Evaluated at two values of each (where the inputs have them).
+    """
+    nb, nh = min(batch, 2), min(heads, 2)
+    keep = create_mask(mask_mod, nb, nh, min(q_len, 2), min(kv_len, 2), device=device)
+    if tuple(keep.shape) != (nb, nh, min(q_len, 2), min(kv_len, 2)):
+        raise ValueError(f"mask_mod returned a value of shape {tuple(keep.shape[4:])}, not a scalar")
+    return nb > 1 and keep.stride(0) != 0, nh > 1 and keep.stride(1) != 0
+
+
+Box = tuple[tuple[int, int], tuple[int, int], tuple[int, int], tuple[int, int]]
+
+
+def _boxes(nb: int, nh: int, rows: int, cols: int, qb: int, kb: int) -> list[Box]:
+    """Boxes (b, h, query-block rows, key-block columns; each a half-open range) covering the grid,
+    each of at most _CHUNK_POSITIONS positions where one block allows: all of b and h at once
+    where a whole block row of them fits, else one (b, h) at a time."""
+    row = qb * kb * cols  # the positions of one block row of one (b, h)
+    whole = nb * nh * row <= _CHUNK_POSITIONS
+    bhs = [((0, nb), (0, nh))] if whole else [((b, b + 1), (h, h + 1)) for b in range(nb) for h in range(nh)]
+    col_step = cols if row <= _CHUNK_POSITIONS else max(1, _CHUNK_POSITIONS // (qb * kb))
+    row_step = max(1, _CHUNK_POSITIONS // ((nb * nh if whole else 1) * qb * kb * col_step))
+    return [(b, h, (r, min(rows, r + row_step)), (c, min(cols, c + col_step)))
+            for b, h in bhs for r in range(0, rows, row_step) for c in range(0, cols, col_step)]
+
+
+def _offset(mask_mod: MaskMod, b0: int, h0: int, q0: int, kv0: int) -> MaskMod:
+    """mask_mod read from (b0, h0, q0, kv0) on: create_mask of it evaluates a box of the grid."""
+    if not (b0 or h0 or q0 or kv0):
+        return mask_mod
+
+    def shifted(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return mask_mod(b + b0, h + h0, q_idx + q0, kv_idx + kv0)
+
+    return shifted
+
+
+def _box_implied(mask_mod: MaskMod, listed: torch.Tensor, full: torch.Tensor | None, box: Box, qb: int, kb: int,
+                 q_len: int, kv_len: int, by_b: bool, by_h: bool) -> bool:
+    """`implied_by_mask_mod` on one box: mask_mod's count of kept positions per block, against
+    the tables (broadcast over b / h where mask_mod cannot depend on them or the tables don't)."""
+    (b0, b1), (h0, h1), (r0, r1), (c0, c1) = box
+    q0, q1, k0, k1 = r0 * qb, min(q_len, r1 * qb), c0 * kb, min(kv_len, c1 * kb)
+    keep = create_mask(_offset(mask_mod, b0, h0, q0, k0), b1 - b0, h1 - h0, q1 - q0, k1 - k0, device=listed.device)
+    if keep.dtype != torch.bool:
+        raise TypeError(f"mask_mod must return a boolean, got {keep.dtype}")
+    # pad to whole blocks with positions that count as masked: they don't exist
+    keep = torch.nn.functional.pad(keep, (0, (c1 - c0) * kb - (k1 - k0), 0, (r1 - r0) * qb - (q1 - q0)))
+    kept = keep.reshape(b1 - b0, h1 - h0, r1 - r0, qb, c1 - c0, kb).sum((3, 5), dtype=torch.int32)
+    rows = (q_len - torch.arange(r0, r1, device=listed.device) * qb).clamp(max=qb)
+    cols = (kv_len - torch.arange(c0, c1, device=listed.device) * kb).clamp(max=kb)
+    positions = rows[:, None] * cols[None, :]
+    bs = slice(b0, b1) if by_b and listed.shape[0] > 1 else slice(None)
+    hs = slice(h0, h1) if by_h and listed.shape[1] > 1 else slice(None)
+    bad = ~listed[bs, hs, r0:r1, c0:c1] & (kept > 0)
+    if full is not None:
+        bad |= full[bs, hs, r0:r1, c0:c1] & (kept != positions)
+    return not bool(bad.any())
