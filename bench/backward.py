@@ -7,7 +7,8 @@ an fp32 dense reference on a few heads; peak extra memory of each backward recor
     TRITON_INTERPRET=1 python bench/backward.py --check-only --seqs 64 --heads 2 --dim 16 --dtypes fp32
                                                  (the correctness half on the CPU, under the interpreter)
 
-Writes $OUT/backward.json (or bench/results/backward.json) and prints one line per case.
+With an earlier version importable as `nf_before` (bench/ab_baseline.sh REV, .baseline on
+PYTHONPATH) it is timed beside. Writes $OUT/backward.json (or bench/results/backward.json) and prints one line per case.
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ CHECK_HEADS = 2  # heads compared against the fp32 dense reference (its score ma
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 flex = torch.compile(flex_attention, dynamic=False)
+
+try:
+    import nf_before  # type: ignore[import-not-found]  # an earlier version: bench/ab_baseline.sh REV
+except ImportError:
+    nf_before = None
 
 try:
     import flash_attn.cute.interface as fa4  # type: ignore[import-not-found]
@@ -115,6 +121,9 @@ def measure(case: str, seq: int, dtype: torch.dtype, check_only: bool = False) -
     row["ours_us"] = bench(ours)
     row["ours_peak_mb"] = peak_extra(ours) / 2**20
     base: dict[str, Callable[[], Any]] = {}
+    if nf_before is not None:
+        base["nf_before"] = fwd_bwd(lambda: nf_before.attention(q, k, v, score_mod=score_mod, block_mask=block),
+                                    inputs, grad)
     if score_mod is None and mask_mod is None or case == "causal":
         for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
             def sdpa(backend=backend) -> torch.Tensor:  # noqa: ANN001

@@ -46,6 +46,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seqs", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--cases", nargs="+", default=["global", "causal"])
+    ap.add_argument("--only", nargs="+", default=[], help="candidates whose label contains one of these")
     args = ap.parse_args()
     warm_up_gpu()
     made: list[autograd.Kernels] = []
@@ -75,6 +76,8 @@ def main() -> None:
                 rows.append({"case": case, "seq": seq, "candidate": "schedule", "us": base})
                 print(f"{case:7s} {seq:6d} schedule's plans           {base:9.1f} us", flush=True)
                 for index, label, schedule, backend in CANDIDATES:
+                    if args.only and not any(f"k{index} {label}".find(o) >= 0 for o in args.only):
+                        continue
                     fn = kernels.steps[index][1]
                     assert isinstance(fn, Compiled)
                     saved = (fn.schedule, fn.options, dict(fn._cache), dict(fn._launchers))

@@ -1,5 +1,5 @@
 """Where attention's forward+backward spends its GPU time, kernel by kernel (issue 13): ours beside
-cuDNN through SDPA and FlashAttention-4 where it is importable, one torch.profiler trace each.
+cuDNN through SDPA (FlexAttention for masked cases) and FlashAttention-4 where it is importable, one torch.profiler trace each.
 
     python bench/backward_profile.py [--seqs 4096 16384] [--cases causal global] [--steps 5]
 
@@ -21,7 +21,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 from torch.profiler import ProfilerActivity, profile
 
 import neptune_fusion as nf
-from bench.backward import DIM, HEADS, case_mods, fa4, fwd_bwd
+from bench.backward import DIM, HEADS, case_mods, fa4, flex, fwd_bwd
 from bench.common import bench, environment, warm_up_gpu, write_results
 
 
@@ -82,6 +82,8 @@ def systems(case: str, seq: int, dtype: torch.dtype) -> dict[str, Callable[[], A
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=case == "causal")
         out["cudnn"] = fwd_bwd(cudnn, [q, k, v], grad)
+    if case not in ("causal", "global"):
+        out["flex"] = fwd_bwd(lambda: flex(q, k, v, score_mod=score_mod, block_mask=block), [q, k, v], grad)
     if fa4 is not None and fa4_args is not None:
         qt, kt, vt = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
 

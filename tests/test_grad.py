@@ -104,13 +104,13 @@ def test_attention_saves_row_statistics_only_and_its_max_is_free() -> None:
     q = torch.randn(1, 2, 8, 4)
     g = differentiate(causal_attention.trace(q, q, q, scale=0.5), ("q", "k", "v"))
     assert g.free_stabilisers == ("max0",)
-    assert g.saved == ("max0", "sum0")  # the normaliser; never a query x key matrix
+    assert g.saved == ("lse_max0",)  # max0 + log(sum0), one row statistic; never a query x key matrix
     assert g.recovered == ("dot1",)  # the unnormalised output, recovered from o = u / l
     assert g.held == frozenset({"d", "d2"})
     from neptune_fusion.schedule.partition import partition_loops
 
     kernels = partition_loops(g.backward, g.held)
-    assert len(kernels) == 3  # D = rowsum(dO * O) / l, then dK and dV over queries, then dQ over keys
+    assert len(kernels) == 3  # D = rowsum(dO * O), then dK and dV over queries, then dQ over keys
     for group in kernels:  # what travels between kernels is linear in the sequence: never q x k
         for out in group.program.outputs:
             assert not {"q", "k"} <= set(out.dims), out

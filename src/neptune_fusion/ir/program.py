@@ -89,6 +89,21 @@ class FusedLoop:
 Node = Union[Stage, FusedLoop]
 
 
+def axis_sources(inputs: tuple[InputBuffer, ...] | list[InputBuffer]) -> dict[str, tuple[str, int]]:
+    """For each axis the inputs name, the first (input, dimension) giving its size.
+
+    Example:
+        >>> axis_sources([InputBuffer("x", ("i", None)), InputBuffer("y", ("j", "i"))])
+        {'i': ('x', 0), 'j': ('y', 0)}
+    """
+    sources: dict[str, tuple[str, int]] = {}
+    for buf in inputs:
+        for pos, axis in enumerate(buf.dims):
+            if axis is not None:
+                sources.setdefault(axis, (buf.name, pos))
+    return sources
+
+
 @dataclass(frozen=True)
 class OutputSpec:
     """An output: the stage it comes from and the dims of the returned tensor (None: size 1)."""

@@ -22,15 +22,16 @@ What is derived, and how:
 - Saved versus recomputed: a reduction no larger than some input or output of the program (a
   row statistic) is saved by the forward; larger ones (scores, logits) and element-wise stages
   are recomputed by the backward; a reduction read only by one output is recovered from that
-  output where SymPy can solve for it (`u` from `o = u / l`), so it is not saved either.
+  output where SymPy can solve for it (`u` from `o = u / l`), so it is not saved either. A free
+  stabiliser and its sum of exponentials are saved as one value, `m + log(l)` (`normaliser.py`).
 
 Example:
     >>> import torch
     >>> from neptune_fusion.library import softmax_pooling
     >>> program = softmax_pooling.trace(torch.randn(4, 8), torch.randn(4, 8))
     >>> grad = differentiate(program, ("x", "v"))
-    >>> grad.saved, grad.free_stabilisers
-    (('max0', 'sum0'), ('max0',))
+    >>> grad.saved, grad.free_stabilisers   # max0 and sum0 saved as one log-normaliser
+    (('lse_max0',), ('max0',))
 """
 
 from __future__ import annotations
@@ -60,9 +61,10 @@ from neptune_fusion.ir.expr import (
     substitute_index,
     walk,
 )
-from neptune_fusion.ir.program import FusedLoop, InputBuffer, OutputSpec, Program, Stage
+from neptune_fusion.ir.program import FusedLoop, InputBuffer, OutputSpec, Program, Stage, axis_sources
 from neptune_fusion.transform.derivative import partial
 from neptune_fusion.transform.inline import inline_into
+from neptune_fusion.transform.normaliser import save_log_normalisers
 
 PASS = "differentiate"
 MAX_BRANCHES = 6  # where() conditions enumerated by the stabiliser proof (2 ** 6 branches)
@@ -72,8 +74,8 @@ MAX_BRANCHES = 6  # where() conditions enumerated by the stabiliser proof (2 ** 
 class Gradient:
     """A program's backward, derived.
 
-    `forward` is the program with `saved` appended to its outputs (each a reduction, fp32, over
-    its own axes); `backward` reads, by name, the forward inputs it needs, the saved values, the
+    `forward` is the program with `saved` appended to its outputs (each a row statistic, fp32,
+    over its own axes: a reduction or a log-normaliser); `backward` reads, by name, the forward inputs it needs, the saved values, the
     forward outputs in `outputs_read` (passed with the stage's own axes: size-1 dims dropped) and
     `grad_<i>` for the gradient of output i in `grads_read`. Its outputs are the gradients of
     `nonzero`, in that order; the other inputs of `wrt` get zero gradients.
@@ -110,7 +112,7 @@ def differentiate(program: Program, wrt: tuple[str, ...]) -> Gradient:
         buf = program.input(name)
         if buf.kind != "float":
             raise FusionError(PASS, name, "input", f"only float inputs have gradients ({buf.kind} given)")
-    return _Reverse(program, tuple(wrt)).run()
+    return save_log_normalisers(_Reverse(program, tuple(wrt)).run(), program)
 
 
 class _Reverse:
@@ -332,7 +334,7 @@ class _Reverse:
         inputs += [InputBuffer(grad_name(i), program.outputs[i].dims) for i in seeds]
         outputs = tuple(OutputSpec(grads[n], self.inputs[n].dims) for n in nonzero)
         backward = Program(f"{program.name}_backward", tuple(inputs), program.params, tuple(stages), outputs,
-                           _axis_sources(inputs), dict(program.param_kinds), dict(self.derived))
+                           axis_sources(inputs), dict(program.param_kinds), dict(self.derived))
         backward.validate()
         saved_order = tuple(sorted(set(saved), key=order.index))
         extra = [Stage(self.fresh(f"saved_{n}"), self.stages[n].axes,
@@ -398,15 +400,6 @@ def _reads(stages: list[Stage]) -> set[str]:
     for st in stages:
         out |= st.reads()
     return out
-
-
-def _axis_sources(inputs: list[InputBuffer]) -> dict[str, tuple[str, int]]:
-    sources: dict[str, tuple[str, int]] = {}
-    for buf in inputs:
-        for pos, axis in enumerate(buf.dims):
-            if axis is not None:
-                sources.setdefault(axis, (buf.name, pos))
-    return sources
 
 
 def _value_loads(expr: Expr) -> list[Load]:
