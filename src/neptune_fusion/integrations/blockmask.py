@@ -332,22 +332,26 @@ def _offset(mask_mod: MaskMod, b0: int, h0: int, q0: int, kv0: int) -> MaskMod:
 
 def _box_implied(mask_mod: MaskMod, listed: torch.Tensor, full: torch.Tensor | None, box: Box, qb: int, kb: int,
                  q_len: int, kv_len: int, by_b: bool, by_h: bool) -> bool:
-    """`implied_by_mask_mod` on one box: mask_mod's count of kept positions per block, against
-    the tables (broadcast over b / h where mask_mod cannot depend on them or the tables don't)."""
+    """`implied_by_mask_mod` on one box: which blocks hold a kept / a masked position, against the
+    tables (broadcast over b / h where mask_mod cannot depend on them or the tables don't)."""
     (b0, b1), (h0, h1), (r0, r1), (c0, c1) = box
     q0, q1, k0, k1 = r0 * qb, min(q_len, r1 * qb), c0 * kb, min(kv_len, c1 * kb)
     keep = create_mask(_offset(mask_mod, b0, h0, q0, k0), b1 - b0, h1 - h0, q1 - q0, k1 - k0, device=listed.device)
     if keep.dtype != torch.bool:
         raise TypeError(f"mask_mod must return a boolean, got {keep.dtype}")
-    # pad to whole blocks with positions that count as masked: they don't exist
-    keep = torch.nn.functional.pad(keep, (0, (c1 - c0) * kb - (k1 - k0), 0, (r1 - r0) * qb - (q1 - q0)))
-    kept = keep.reshape(b1 - b0, h1 - h0, r1 - r0, qb, c1 - c0, kb).sum((3, 5), dtype=torch.int32)
-    rows = (q_len - torch.arange(r0, r1, device=listed.device) * qb).clamp(max=qb)
-    cols = (kv_len - torch.arange(c0, c1, device=listed.device) * kb).clamp(max=kb)
-    positions = rows[:, None] * cols[None, :]
+    pad = (0, (c1 - c0) * kb - (k1 - k0), 0, (r1 - r0) * qb - (q1 - q0))
+
+    def per_block(reduce: Callable[..., torch.Tensor], fill: int) -> torch.Tensor:
+        # as bytes: amax / amin over bytes run far faster than any / all over bools on the CPU;
+        # `fill` pads the positions that don't exist, so they decide nothing
+        x = keep.view(torch.uint8)
+        if pad != (0, 0, 0, 0):
+            x = torch.nn.functional.pad(x, pad, value=fill)
+        return reduce(x.reshape(b1 - b0, h1 - h0, r1 - r0, qb, c1 - c0, kb), dim=(3, 5)) != 0
+
     bs = slice(b0, b1) if by_b and listed.shape[0] > 1 else slice(None)
     hs = slice(h0, h1) if by_h and listed.shape[1] > 1 else slice(None)
-    bad = ~listed[bs, hs, r0:r1, c0:c1] & (kept > 0)
+    bad = ~listed[bs, hs, r0:r1, c0:c1] & per_block(torch.amax, 0)  # an unlisted block with a kept position
     if full is not None:
-        bad |= full[bs, hs, r0:r1, c0:c1] & (kept != positions)
+        bad |= full[bs, hs, r0:r1, c0:c1] & ~per_block(torch.amin, 1)  # a full block with a masked one
     return not bool(bad.any())
