@@ -374,16 +374,16 @@ def test_linear_cross_entropy_backward_over_a_long_hidden_axis_is_materialised_a
     from neptune_fusion.integrations import autograd
 
     made: list = []
-    real = autograd.call_in_graph
+    real = autograd.run_kernels
 
-    def producing(fn, args, kwargs):
+    def producing(fn, args):
         assert all(ref() is None for ref in made), "an earlier chunk is still alive"
-        out = real(fn, args, kwargs)
+        out = real(fn, args)
         if fn is step.producer:
             made.append(weakref.ref(out))
         return out
 
-    monkeypatch.setattr(autograd, "call_in_graph", producing)
+    monkeypatch.setattr(autograd, "run_kernels", producing)
     hl.grad = wl.grad = None
     fn(hl, wl, target).backward(seed.float())
     assert len(made) == 3
@@ -535,3 +535,17 @@ def test_a_backward_that_fails_to_derive_fails_again_and_leaves_no_handle() -> N
     assert fn.training_handles == {}
     with torch.no_grad():
         torch.testing.assert_close(fn(x), x @ x.T)
+
+
+def test_an_eager_training_step_launches_without_the_registered_ops(monkeypatch) -> None:
+    """Eager, the forward and the backward's kernels launch directly (a registered op's Python
+    dispatch costs more host time than the launches); torch.compile traces the ops
+    (tests/test_torch_integration.py)."""
+    from neptune_fusion.integrations import autograd, ops
+
+    def refused(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("an eager call went through a registered op")
+
+    monkeypatch.setattr(autograd, "train_forward", refused)
+    monkeypatch.setattr(ops, "call_in_graph", refused)
+    _check_attention(24, 24, 2, 2, mask=lambda b, h, i, j: i >= j)

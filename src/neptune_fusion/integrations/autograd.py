@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import torch
 
 from neptune_fusion.analysis.chains import chain_axis
-from neptune_fusion.integrations.ops import argument_kinds, call_in_graph
+from neptune_fusion.integrations.ops import argument_kinds, is_eager, run_kernels
 from neptune_fusion.ir.errors import FusionError
 from neptune_fusion.ir.program import Program
 from neptune_fusion.lang.trace import FixedProgram
@@ -111,7 +111,7 @@ class Chunked:
                         else torch.empty(shape, dtype=dtype, device=device))
         for start in range(0, sizes[plan.axis], length):
             n = min(length, sizes[plan.axis] - start)
-            shared = call_in_graph(self.producer, (), self._chunk_args(named, start, n)).to(dtype)
+            shared = run_kernels(self.producer, self._chunk_args(named, start, n)).to(dtype)
             for c, axes, out in zip(plan.contractions, plan.result_axes, outs):
                 operand = named[c.operand]
                 if plan.axis in c.operand_axes:
@@ -226,7 +226,7 @@ class Kernels:
                 result: Any = fn(**{n: pool[n] for n in (*fn.inputs, *fn.params)})
             else:
                 args = _group_args(group, pool, named)
-                result = call_in_graph(fn, (), args) if isinstance(fn, Compiled) else fn(**args)
+                result = run_kernels(fn, args) if isinstance(fn, Compiled) else fn(**args)
             for name, value in zip(group.results, result if isinstance(result, tuple) else (result,)):
                 if name.startswith("output:"):
                     outs[int(name.split(":")[1])] = value
@@ -306,7 +306,10 @@ def training_handle(fn: Compiled, names: tuple[str, ...], kinds: tuple[str, ...]
 def train_forward(tensors: list[torch.Tensor], floats: list[float], ints: list[int], handle: int) -> list[torch.Tensor]:
     """The forward of a call that records gradients: its outputs, then the statistics its backward reads."""
     entry = _entries[handle]
-    named = entry.named(tensors, floats, ints)
+    return _forward(entry, entry.named(tensors, floats, ints))
+
+
+def _forward(entry: _Entry, named: dict[str, Any]) -> list[torch.Tensor]:
     if not entry.prepared:  # a backward that cannot be planned raises here, before any training step
         _prepare_backward(entry.derived, named)
         entry.prepared = True
@@ -375,6 +378,25 @@ def _backward(ctx: Any, grads: list[torch.Tensor | None]) -> tuple[Any, ...]:
 train_forward.register_autograd(_backward, setup_context=_setup)
 
 
+class _EagerTraining(torch.autograd.Function):
+    """The training op's forward and backward for an eager call, without the op: a registered
+    op's Python dispatch costs more host time per call than launching its kernels."""
+
+    @staticmethod
+    def forward(ctx: Any, handle: int, floats: list[float], ints: list[int], *tensors: torch.Tensor
+                ) -> tuple[torch.Tensor, ...]:
+        entry = _entries[handle]
+        output = _forward(entry, entry.named(list(tensors), floats, ints))
+        _setup(ctx, (list(tensors), floats, ints, handle), output)
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(*output[len(output) - len(entry.derived.gradient.saved):])
+        return tuple(output)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        return (None, None, None, *_backward(ctx, list(grads))[0])
+
+
 def handle_for(fn: Compiled, named: dict[str, Any]) -> int:
     """The training op's handle of the call `fn(**named)`: gradients for the float tensors that
     require grad."""
@@ -386,15 +408,19 @@ def handle_for(fn: Compiled, named: dict[str, Any]) -> int:
 
 
 def call_with_grad(fn: Compiled, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """`fn(*args, **kwargs)` recorded for autograd with the program's derived backward: one
-    registered op (`neptune_fusion::train_forward`, whose backward runs the backward's kernels,
-    each one `neptune_fusion::program` op), in eager calls and inside torch.compile alike."""
+    """`fn(*args, **kwargs)` recorded for autograd with the program's derived backward: traced
+    (torch.compile), one registered op (`neptune_fusion::train_forward`, whose backward runs the
+    backward's kernels, each one `neptune_fusion::program` op); eager, the same forward and backward
+    as a `torch.autograd.Function` that launches the kernels directly."""
     named = dict(fn.program_def.bind(*args, **kwargs))
     handle = handle_for(fn, named)
     tensors = [v for v in named.values() if isinstance(v, torch.Tensor)]
     numbers = [v for v in named.values() if not isinstance(v, torch.Tensor)]
-    result = train_forward(tensors, [v for v in numbers if isinstance(v, float)],
-                           [v for v in numbers if not isinstance(v, float)], handle)
+    floats, ints = [v for v in numbers if isinstance(v, float)], [v for v in numbers if not isinstance(v, float)]
+    if is_eager(tensors):
+        result = _EagerTraining.apply(handle, floats, ints, *tensors)
+    else:
+        result = train_forward(tensors, floats, ints, handle)
     count = len(_entries[handle].derived.program.outputs) - len(_entries[handle].derived.gradient.saved)
     return result[0] if count == 1 else tuple(result[:count])
 

@@ -21,12 +21,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from neptune_fusion.runtime import compiled as _compiled
 from neptune_fusion.runtime.compiled import Compiled, output_specs
 from neptune_fusion.runtime.state import in_cudagraph_tree, private_state
 
-__all__ = ["argument_kinds", "call_in_graph"]
+__all__ = ["argument_kinds", "call_in_graph", "is_eager", "run_kernels"]
 
 _calls: list[tuple[Compiled, tuple[str, ...], tuple[str, ...]]] = []  # handle -> (function, argument names, kinds)
 _handle_of: dict[tuple[int, tuple[str, ...], tuple[str, ...]], int] = {}
@@ -67,6 +68,30 @@ def _(tensors: list[torch.Tensor], floats: list[float], ints: list[int], handle:
     fn, named = _named(handle, tensors, floats, ints)
     device = tensors[0].device if tensors else torch.device("cpu")
     return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in output_specs(fn, named)]
+
+
+def is_eager(tensors: Any) -> bool:
+    """Whether a call on `tensors` runs its kernels directly: not traced (torch.compile, a dispatch
+    mode such as make_fx's, fake or functional tensors), where it must be a registered op instead.
+    The op's Python dispatch costs more host time than the kernels' launches.
+
+    Example:
+        >>> is_eager([torch.ones(2), torch.nn.Parameter(torch.ones(2))])
+        True
+    """
+    return (not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
+            and all(type(t) in _PLAIN for t in tensors))
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def run_kernels(fn: Compiled, args: dict[str, Any]) -> Any:
+    """`fn(**args)` for a caller that checked gradients itself: launched directly in an eager call,
+    one `neptune_fusion::program` op where the call is traced."""
+    if is_eager(v for v in args.values() if isinstance(v, torch.Tensor)):
+        return fn.launch(**args)
+    return call_in_graph(fn, (), args)
 
 
 def argument_kinds(values: tuple[Any, ...]) -> tuple[str, ...]:

@@ -737,7 +737,9 @@ class Compiled:
         return any(isinstance(a, torch.Tensor) and a.requires_grad for a in (*args, *kwargs.values()))
 
     def _launch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if kwargs or len(args) != self._arity:
+        if not args and self._arity == len(kwargs) and all(n in kwargs for n in self._names):
+            args = tuple(kwargs[n] for n in self._names)  # every parameter by name: no bind()
+        elif kwargs or len(args) != self._arity:
             args = tuple(v for _, v in self.program_def.bind(*args, **kwargs))
         return self.launcher_for(args)(args)
 

@@ -1,0 +1,100 @@
+# ruff: noqa: B023 - every closure is run and timed right where it is made
+"""Host time of one attention training step (issue 13): whether fwd+bwd is host-bound at a length,
+and where the host spends it.
+
+    python bench/host_step.py [--seqs 4096] [--cases causal document]
+
+Per case: the step's wall time (do_bench median), the GPU time of its kernels (CUDA events around a
+step already queued behind others, so the host is not on the path), the host's time per step with
+the GPU kept busy (steps issued back to back, one synchronisation at the end, garbage collection on
+and off), and the Python functions by own time (cProfile). Writes $OUT/host_step.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import io
+import pstats
+import time
+from typing import Any
+
+import torch
+from torch.nn.attention.flex_attention import create_block_mask
+
+import neptune_fusion as nf
+from bench.backward import DIM, HEADS, case_mods, fwd_bwd
+from bench.common import bench, environment, warm_up_gpu, write_results
+
+
+def host_us(step: Any, n: int = 30) -> float:
+    """Host microseconds per step, the queue kept full (one synchronisation for all `n`)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(n):
+        step()
+    issued = time.perf_counter()
+    torch.cuda.synchronize()
+    return (issued - start) / n * 1e6
+
+
+def by_own_time(step: Any, n: int = 10) -> str:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(n):
+        step()
+    torch.cuda.synchronize()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(18)
+    return text.getvalue()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seqs", type=int, nargs="+", default=[4096])
+    ap.add_argument("--cases", nargs="+", default=["causal", "document"])
+    args = ap.parse_args()
+    warm_up_gpu()
+    rows = []
+    for seq in args.seqs:
+        for case in args.cases:
+            torch.manual_seed(0)
+            q, k, v = (torch.randn(1, HEADS, seq, DIM, device="cuda", dtype=torch.float16, requires_grad=True)
+                       for _ in range(3))
+            grad = torch.randn_like(q)
+            score_mod, mask_mod, _ = case_mods(case, seq, torch.ones(HEADS, device="cuda"))
+            block = create_block_mask(mask_mod, None, None, seq, seq, device="cuda") if mask_mod else None
+            row: dict[str, Any] = {"case": case, "seq": seq}
+            for label, kwargs in (("block_mask", {"block_mask": block}), ("mask_mod", {"mask_mod": mask_mod})):
+                if mask_mod is None and label == "mask_mod":
+                    continue
+                step = fwd_bwd(lambda kwargs=kwargs: nf.attention(q, k, v, score_mod=score_mod, **kwargs),
+                               [q, k, v], grad)
+                step()
+                wall = bench(step, warmup=10, rep=50)
+                # the GPU time of one step: queued behind a long one, so host gaps do not show
+                busy = [step() for _ in range(3)]
+                del busy
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                step()
+                end.record()
+                torch.cuda.synchronize()
+                gc_on = host_us(step)
+                gc.disable()
+                gc_off = host_us(step)
+                gc.enable()
+                own = by_own_time(step)
+                row[label] = {"wall_us": wall, "event_us": start.elapsed_time(end) * 1e3, "host_us": gc_on,
+                              "host_us_gc_off": gc_off, "own_time": own}
+                print(f"{case} {seq} {label}: wall {wall:.0f} us, events {row[label]['event_us']:.0f} us, "
+                      f"host {gc_on:.0f} us a step (gc off {gc_off:.0f})", flush=True)
+                print(own, flush=True)
+            rows.append(row)
+            write_results("host_step", {"env": environment(), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
