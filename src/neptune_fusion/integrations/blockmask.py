@@ -250,8 +250,8 @@ def implied_by_mask_mod(tables: BlockTables, batch: int, heads: int, q_len: int,
     True iff, at every (b, h) of inputs with `batch` entries and `heads` query heads, each full
     block holds no position mask_mod masks and each block neither full nor partial holds no
     position it keeps (partial blocks may hold anything; positions past q_len / kv_len don't
-    exist). mask_mod is evaluated with torch ops on the tables' device (vmapped, as `create_mask`
-    does), about 32M positions at a time, at a single b (h) where its value cannot depend on b (h).
+    exist). mask_mod is evaluated with torch ops on the tables' device (on broadcast index tensors,
+    or vmapped as `create_mask` does where that fails), about 32M positions at a time, at a single b (h) where its value cannot depend on b (h).
     The answer is False, which is always safe, where mask_mod fails to evaluate or the evaluation
     would exceed 2**34 positions. Reads tensor values: not for torch.compile; cache the answer.
 
@@ -330,13 +330,31 @@ def _offset(mask_mod: MaskMod, b0: int, h0: int, q0: int, kv0: int) -> MaskMod:
     return shifted
 
 
+def _evaluate(mask_mod: MaskMod, b: tuple[int, int], h: tuple[int, int], q: tuple[int, int], kv: tuple[int, int],
+              device: torch.device) -> torch.Tensor:
+    """mask_mod over a box of the grid, (b, h, q, kv) each a half-open range: its element-wise
+    torch ops applied to broadcast index tensors (as nf traces a mask_mod: point by point), which
+    costs a few passes over the box; `create_mask`'s vmap where that fails or gives another shape
+    (its fixed cost per call is milliseconds, for a mask indexing a captured tensor)."""
+    shape = (b[1] - b[0], h[1] - h[0], q[1] - q[0], kv[1] - kv[0])
+    axes = [torch.arange(lo, hi, device=device).view([-1 if d == i else 1 for d in range(4)])
+            for i, (lo, hi) in enumerate((b, h, q, kv))]
+    try:
+        keep = mask_mod(*axes)
+        if isinstance(keep, torch.Tensor) and keep.dim() <= 4:
+            return keep.expand(shape)
+    except Exception:  # noqa: BLE001 - an op that needs scalar indices: vmap gives it them
+        pass
+    return create_mask(_offset(mask_mod, b[0], h[0], q[0], kv[0]), *shape, device=device)
+
+
 def _box_implied(mask_mod: MaskMod, listed: torch.Tensor, full: torch.Tensor | None, box: Box, qb: int, kb: int,
                  q_len: int, kv_len: int, by_b: bool, by_h: bool) -> bool:
     """`implied_by_mask_mod` on one box: which blocks hold a kept / a masked position, against the
     tables (broadcast over b / h where mask_mod cannot depend on them or the tables don't)."""
     (b0, b1), (h0, h1), (r0, r1), (c0, c1) = box
     q0, q1, k0, k1 = r0 * qb, min(q_len, r1 * qb), c0 * kb, min(kv_len, c1 * kb)
-    keep = create_mask(_offset(mask_mod, b0, h0, q0, k0), b1 - b0, h1 - h0, q1 - q0, k1 - k0, device=listed.device)
+    keep = _evaluate(mask_mod, (b0, b1), (h0, h1), (q0, q1), (k0, k1), listed.device)
     if keep.dtype != torch.bool:
         raise TypeError(f"mask_mod must return a boolean, got {keep.dtype}")
     pad = (0, (c1 - c0) * kb - (k1 - k0), 0, (r1 - r0) * qb - (q1 - q0))
