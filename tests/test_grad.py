@@ -549,3 +549,13 @@ def test_an_eager_training_step_launches_without_the_registered_ops(monkeypatch)
     monkeypatch.setattr(autograd, "train_forward", refused)
     monkeypatch.setattr(ops, "call_in_graph", refused)
     _check_attention(24, 24, 2, 2, mask=lambda b, h, i, j: i >= j)
+
+
+def test_second_derivatives_are_refused_not_dropped() -> None:
+    """create_graph=True would give gradients without a graph of their own (a gradient penalty
+    would silently lose its term): refused with a clear error instead."""
+    q, k, v = (torch.randn(1, 2, 16, 8, requires_grad=True) for _ in range(3))
+    with pytest.raises(RuntimeError, match="second derivatives are not derived"):
+        torch.autograd.grad(nf.attention(q, k, v).sum(), [q], create_graph=True)
+    (g,) = torch.autograd.grad(nf.attention(q, k, v).sum(), [q])
+    assert g.shape == q.shape and not g.requires_grad

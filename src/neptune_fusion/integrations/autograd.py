@@ -394,6 +394,9 @@ class _EagerTraining(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        if torch.is_grad_enabled():  # create_graph=True: gradients that would silently have none
+            raise RuntimeError(f"{_entries[ctx.handle].derived.gradient.backward.name}: second derivatives are "
+                               "not derived (create_graph=True); differentiate a plain torch version instead")
         return (None, None, None, *_backward(ctx, list(grads))[0])
 
 
