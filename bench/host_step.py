@@ -2,12 +2,14 @@
 """Host time of one attention training step (issue 13): whether fwd+bwd is host-bound at a length,
 and where the host spends it.
 
-    python bench/host_step.py [--seqs 4096] [--cases causal document]
+    python bench/host_step.py [--seqs 4096] [--cases causal document] [--fresh-block-mask]
 
 Per case: the step's wall time (do_bench median), the GPU time of its kernels (CUDA events around a
 step already queued behind others, so the host is not on the path), the host's time per step with
 the GPU kept busy (steps issued back to back, one synchronisation at the end, garbage collection on
-and off), and the Python functions by own time (cProfile). Writes $OUT/host_step.json.
+and off), and the Python functions by own time (cProfile). With --fresh-block-mask: a step that
+makes its BlockMask anew (as a training loop does for each batch of packed documents), beside
+create_block_mask alone and, where importable, `nf_before`. Writes $OUT/host_step.json.
 """
 
 from __future__ import annotations
@@ -26,6 +28,11 @@ from torch.nn.attention.flex_attention import create_block_mask
 import neptune_fusion as nf
 from bench.backward import DIM, HEADS, case_mods, fwd_bwd
 from bench.common import bench, environment, warm_up_gpu, write_results
+
+try:
+    import nf_before  # type: ignore[import-not-found]  # an earlier version: bench/ab_baseline.sh REV
+except ImportError:
+    nf_before = None
 
 
 def host_us(step: Any, n: int = 30) -> float:
@@ -51,10 +58,30 @@ def by_own_time(step: Any, n: int = 10) -> str:
     return text.getvalue()
 
 
+def fresh_block_mask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, score_mod: Any,
+                     mask_mod: Any, seq: int) -> dict[str, float]:
+    """Step times (us) where every step makes its BlockMask: ours, nf_before's, create_block_mask's alone."""
+    def make() -> Any:
+        return create_block_mask(mask_mod, None, None, seq, seq, device="cuda")
+
+    systems: dict[str, Any] = {"create_block_mask": make}
+    for name, lib in (("ours", nf), ("nf_before", nf_before)):
+        if lib is not None:
+            systems[name] = fwd_bwd(lambda lib=lib: lib.attention(q, k, v, score_mod=score_mod, block_mask=make()),
+                                    [q, k, v], grad)
+    out = {}
+    for name, step in systems.items():
+        step()
+        out[name] = bench(step, warmup=3, rep=20)
+    print(f"fresh BlockMask {seq}: " + "  ".join(f"{n} {t:.0f} us" for n, t in out.items()), flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seqs", type=int, nargs="+", default=[4096])
     ap.add_argument("--cases", nargs="+", default=["causal", "document"])
+    ap.add_argument("--fresh-block-mask", action="store_true", help="a BlockMask made anew in every step")
     args = ap.parse_args()
     warm_up_gpu()
     rows = []
@@ -67,6 +94,11 @@ def main() -> None:
             score_mod, mask_mod, _ = case_mods(case, seq, torch.ones(HEADS, device="cuda"))
             block = create_block_mask(mask_mod, None, None, seq, seq, device="cuda") if mask_mod else None
             row: dict[str, Any] = {"case": case, "seq": seq}
+            if args.fresh_block_mask:
+                row["fresh"] = fresh_block_mask(q, k, v, grad, score_mod, mask_mod, seq)
+                rows.append(row)
+                write_results("host_step", {"env": environment(), "rows": rows})
+                continue
             for label, kwargs in (("block_mask", {"block_mask": block}), ("mask_mod", {"mask_mod": mask_mod})):
                 if mask_mod is None and label == "mask_mod":
                     continue
