@@ -93,6 +93,16 @@ def fwd_bwd(run: Callable[[], torch.Tensor], inputs: list[torch.Tensor], grad: t
     return step
 
 
+def case_inputs(case: str, seq: int, dtype: torch.dtype = torch.float16) -> tuple[Any, ...]:
+    """(q, k, v, the output's gradient, score_mod, mask_mod, its BlockMask or None) of a case on the
+    GPU (ALiBi slopes all 1), seeded."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, HEADS, seq, DIM, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    score_mod, mask_mod, _ = case_mods(case, seq, torch.ones(HEADS, device="cuda"))
+    block = create_block_mask(mask_mod, None, None, seq, seq, device="cuda") if mask_mod is not None else None
+    return q, k, v, torch.randn_like(q), score_mod, mask_mod, block
+
+
 def measure(case: str, seq: int, dtype: torch.dtype, check_only: bool = False) -> dict[str, Any]:
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, HEADS, seq, DIM, device=DEVICE, dtype=dtype, requires_grad=True) for _ in range(3))

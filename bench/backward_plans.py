@@ -17,10 +17,9 @@ from typing import Any
 from unittest import mock
 
 import torch
-from torch.nn.attention.flex_attention import create_block_mask
 
 import neptune_fusion as nf
-from bench.backward import DIM, HEADS, case_mods, fwd_bwd
+from bench.backward import case_inputs, fwd_bwd
 from bench.common import bench, environment, rel_err, warm_up_gpu, write_results
 from neptune_fusion.codegen import gluon_source
 from neptune_fusion.integrations import autograd
@@ -61,12 +60,7 @@ def main() -> None:
     with mock.patch.object(autograd.Kernels, "__init__", recording):
         for seq in args.seqs:
             for case in args.cases:
-                torch.manual_seed(0)
-                q, k, v = (torch.randn(1, HEADS, seq, DIM, device="cuda", dtype=torch.float16, requires_grad=True)
-                           for _ in range(3))
-                grad = torch.randn_like(q)
-                score_mod, mask_mod, _ = case_mods(case, seq, torch.ones(HEADS, device="cuda"))
-                block = create_block_mask(mask_mod, None, None, seq, seq, device="cuda") if mask_mod else None
+                q, k, v, grad, score_mod, _, block = case_inputs(case, seq)
                 step = fwd_bwd(lambda: nf.attention(q, k, v, score_mod=score_mod, block_mask=block), [q, k, v], grad)
                 before = len(made)
                 want = step()

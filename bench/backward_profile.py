@@ -44,8 +44,9 @@ def kernels_of(step: Callable[[], Any], steps: int) -> list[dict[str, Any]]:
     return rows
 
 
-def host_profile(step: Callable[[], Any], steps: int = 3) -> str:
-    """The Python functions of `steps` calls, by cumulative time (what the host does between kernels)."""
+def host_profile(step: Callable[[], Any], steps: int = 3, by: str = "cumulative", lines: int = 25) -> str:
+    """The Python functions of `steps` calls, by cumulative time (what the host does between
+    kernels) or another pstats key such as "tottime"."""
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(steps):
@@ -53,7 +54,7 @@ def host_profile(step: Callable[[], Any], steps: int = 3) -> str:
     torch.cuda.synchronize()
     profiler.disable()
     text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(25)
+    pstats.Stats(profiler, stream=text).sort_stats(by).print_stats(lines)
     return text.getvalue()
 
 

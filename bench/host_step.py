@@ -15,10 +15,7 @@ create_block_mask alone and, where importable, `nf_before`. Writes $OUT/host_ste
 from __future__ import annotations
 
 import argparse
-import cProfile
 import gc
-import io
-import pstats
 import time
 from typing import Any
 
@@ -26,7 +23,8 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
 import neptune_fusion as nf
-from bench.backward import DIM, HEADS, case_mods, fwd_bwd
+from bench.backward import case_inputs, fwd_bwd
+from bench.backward_profile import host_profile
 from bench.common import bench, environment, warm_up_gpu, write_results
 
 try:
@@ -44,18 +42,6 @@ def host_us(step: Any, n: int = 30) -> float:
     issued = time.perf_counter()
     torch.cuda.synchronize()
     return (issued - start) / n * 1e6
-
-
-def by_own_time(step: Any, n: int = 10) -> str:
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(n):
-        step()
-    torch.cuda.synchronize()
-    profiler.disable()
-    text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(18)
-    return text.getvalue()
 
 
 def fresh_block_mask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, score_mod: Any,
@@ -87,12 +73,7 @@ def main() -> None:
     rows = []
     for seq in args.seqs:
         for case in args.cases:
-            torch.manual_seed(0)
-            q, k, v = (torch.randn(1, HEADS, seq, DIM, device="cuda", dtype=torch.float16, requires_grad=True)
-                       for _ in range(3))
-            grad = torch.randn_like(q)
-            score_mod, mask_mod, _ = case_mods(case, seq, torch.ones(HEADS, device="cuda"))
-            block = create_block_mask(mask_mod, None, None, seq, seq, device="cuda") if mask_mod else None
+            q, k, v, grad, score_mod, mask_mod, block = case_inputs(case, seq)
             row: dict[str, Any] = {"case": case, "seq": seq}
             if args.fresh_block_mask:
                 row["fresh"] = fresh_block_mask(q, k, v, grad, score_mod, mask_mod, seq)
@@ -118,7 +99,7 @@ def main() -> None:
                 gc.disable()
                 gc_off = host_us(step)
                 gc.enable()
-                own = by_own_time(step)
+                own = host_profile(step, 10, by="tottime", lines=18)
                 row[label] = {"wall_us": wall, "event_us": start.elapsed_time(end) * 1e3, "host_us": gc_on,
                               "host_us_gc_off": gc_off, "own_time": own}
                 print(f"{case} {seq} {label}: wall {wall:.0f} us, events {row[label]['event_us']:.0f} us, "
