@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import string
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -35,8 +36,11 @@ from neptune_fusion.runtime.reference import axis_extents, run_reference
 from neptune_fusion.runtime.state import in_cudagraph_tree, private_state
 from neptune_fusion.schedule.materialise import (
     OFFSET_PARAM,
+    Contraction,
     Materialised,
+    OneHot,
     accumulates_in_fp32,
+    chunk_budget,
     chunk_length,
     materialise,
 )
@@ -70,8 +74,12 @@ class Chunked:
         self.plan = plan
         self.producer = Compiled(FixedProgram(plan.producer), Auto(), allow_fallback)
         names = {b.name for b in plan.producer.inputs} | {c.operand for c in plan.contractions}
+        params = [p for p in plan.producer.params if p != OFFSET_PARAM]
+        if plan.one_hot is not None:
+            names |= {plan.one_hot.index} | {b.name for b in plan.one_hot.coefficient.inputs}
+            params += [p for p in plan.one_hot.coefficient.params if p not in params]
         self.inputs = tuple(sorted(names))
-        self.params = tuple(p for p in plan.producer.params if p != OFFSET_PARAM)
+        self.params = tuple(params)
 
     def first_chunk(self, named: dict[str, Any]) -> dict[str, Any]:
         """The producer's arguments for the first chunk (to plan its kernel before any call)."""
@@ -92,7 +100,7 @@ class Chunked:
         cut = dict(self.plan.sliced)
         args = {b.name: named[b.name].narrow(cut[b.name], start, n) if b.name in cut else named[b.name]
                 for b in self.plan.producer.inputs}
-        args.update({p: named[p] for p in self.params})
+        args.update({p: named[p] for p in self.plan.producer.params if p != OFFSET_PARAM})
         args[OFFSET_PARAM] = start
         return args
 
@@ -109,18 +117,90 @@ class Chunked:
             shape = [sizes[a] for a in axes]
             outs.append(torch.zeros(shape, dtype=accumulator, device=device) if c.over_chunk
                         else torch.empty(shape, dtype=dtype, device=device))
+        hot = plan.one_hot
+        term = None if hot is None else _one_hot_term(hot, named, sizes[hot.axis])
+        # contractions summing over the one-hot axis read each chunk before its term is added in,
+        # and get the term once after the chunks (a gather); the others read it in the chunk
+        gathers = [j for j, c in enumerate(plan.contractions) if term is not None and c.summed == hot.axis]
+        others = [j for j in range(len(outs)) if j not in gathers]
+        def contract(j: int, shared: torch.Tensor, start: int, n: int) -> None:
+            c, axes, out = plan.contractions[j], plan.result_axes[j], outs[j]
+            operand = named[c.operand]
+            if plan.axis in c.operand_axes:
+                operand = operand.narrow(c.operand_axes.index(plan.axis), start, n)
+            target = out if c.over_chunk else out.narrow(axes.index(plan.axis), start, n)
+            contract_into(c.spec, shared, operand, target, accumulate=c.over_chunk, scale=c.scale)
+
         for start in range(0, sizes[plan.axis], length):
             n = min(length, sizes[plan.axis] - start)
             shared = run_kernels(self.producer, self._chunk_args(named, start, n)).to(dtype)
-            for c, axes, out in zip(plan.contractions, plan.result_axes, outs):
-                operand = named[c.operand]
-                if plan.axis in c.operand_axes:
-                    operand = operand.narrow(c.operand_axes.index(plan.axis), start, n)
-                target = out if c.over_chunk else out.narrow(axes.index(plan.axis), start, n)
-                contract_into(c.spec, shared, operand, target, accumulate=c.over_chunk, scale=c.scale)
+            for j in gathers:
+                contract(j, shared, start, n)
+            if term is not None and others:
+                _add_one_hot(shared, plan, term, start, n)
+            for j in others:
+                contract(j, shared, start, n)
             # released before the next chunk is made: one chunk alive at a time, not two
             del shared
+        for j in gathers:
+            assert term is not None
+            _gather_one_hot(plan.contractions[j], plan.result_axes[j], outs[j], named[plan.contractions[j].operand],
+                            term, chunk_budget(plan, sizes, itemsize))
         return tuple(out.to(dtype) for out in outs)
+
+
+@dataclass(frozen=True)
+class _OneHotTerm:
+    """A plan's one-hot term for one call: where `index` (its indices outside the axis made 0)
+    meets the one-hot axis, `coefficient` (0 there instead)."""
+
+    hot: OneHot
+    index: torch.Tensor
+    coefficient: torch.Tensor
+
+
+def _one_hot_term(hot: OneHot, named: dict[str, Any], size: int) -> _OneHotTerm:
+    program = hot.coefficient
+    args = {b.name: named[b.name] for b in program.inputs} | {p: named[p] for p in program.params}
+    coefficient = run_reference(program, args, out_dtype=torch.float32)
+    index = named[hot.index]
+    inside = (index >= 0) & (index < size)
+    return _OneHotTerm(hot, torch.where(inside, index, 0), torch.where(inside, coefficient, 0.0))
+
+
+def _add_one_hot(shared: torch.Tensor, plan: Materialised, term: _OneHotTerm, start: int, n: int) -> None:
+    """The term added into a chunk of the shared stage (`start`, `n` along the chunked axis): one
+    entry per index, so the sum is the same in any order."""
+    hot = term.hot
+    (own,) = hot.index_axes
+    axes = plan.producer.stage(plan.shared).axes
+    if plan.axis == hot.axis:  # the chunk holds the columns start .. start + n of every row
+        rows = ((term.index >= start) & (term.index < start + n)).nonzero().squeeze(1)
+        at = {own: rows, hot.axis: term.index[rows] - start}
+        values = term.coefficient[rows]
+    else:  # the chunk holds the rows start .. start + n
+        at = {own: torch.arange(n, device=shared.device), hot.axis: term.index[start:start + n]}
+        values = term.coefficient[start:start + n]
+    shared.index_put_(tuple(at[a] for a in axes), values.to(shared.dtype), accumulate=True)
+
+
+def _gather_one_hot(c: Contraction, axes: tuple[str, ...], out: torch.Tensor, operand: torch.Tensor,
+                    term: _OneHotTerm, budget: int) -> None:
+    """`out` += the term's part of contraction `c` (which sums over the one-hot axis): the
+    operand's slices at the indices, times the coefficient; a block of indices at a time, within
+    `budget` bytes."""
+    hot = term.hot
+    (own,) = hot.index_axes
+    gathered_axes = tuple(own if a == hot.axis else a for a in c.operand_axes)
+    letters = {a: string.ascii_letters[k] for k, a in enumerate(dict.fromkeys((*gathered_axes, *axes)))}
+    spec = f"{''.join(letters[a] for a in gathered_axes)},{letters[own]}->{''.join(letters[a] for a in axes)}"
+    dim = c.operand_axes.index(hot.axis)
+    per_index = operand.numel() // operand.shape[dim] * 4
+    step = max(1, budget // max(1, per_index))
+    for first in range(0, term.index.shape[0], step):
+        index = term.index[first:first + step]
+        part = torch.einsum(spec, operand.index_select(dim, index).float(), term.coefficient[first:first + step])
+        out.narrow(axes.index(own), first, index.shape[0]).add_(part.to(out.dtype), alpha=c.scale)
 
 
 def contract_into(spec: str, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, accumulate: bool,

@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from neptune_fusion.ir.errors import FusionError
-from neptune_fusion.ir.printer import format_program
+from neptune_fusion.ir.printer import format_expr, format_program
 from neptune_fusion.ir.program import Program
 from neptune_fusion.lang.trace import ProgramDef
 from neptune_fusion.runtime.compiled import Compiled
@@ -154,6 +154,11 @@ def _explain_chunked(groups: list[Group], sizes: dict[str, int], args: dict[str,
              f"over {plan.axis!r}, {length} of {sizes[plan.axis]} a chunk ===",
              *(f"{c.result}: einsum({c.spec!r}, {plan.shared} chunk, {c.operand})"
                f"{' summed over the chunks' if c.over_chunk else ' a slice per chunk'}" for c in plan.contractions)]
+    if plan.one_hot is not None:
+        hot = plan.one_hot
+        lines.append(f"kept out of the chunks: where({hot.index}[{hot.index_axes[0]}] == {hot.axis}, "
+                     f"{format_expr(hot.coefficient.all_stages()[-1].body)}, 0), gathered at {hot.index} by the "
+                     f"contractions over {hot.axis!r}, added into each chunk for the others")
     cut = dict(plan.sliced)
     chunk = {b.name: args[b.name].narrow(cut[b.name], 0, length) if b.name in cut else args[b.name]
              for b in plan.producer.inputs}

@@ -10,7 +10,9 @@ contraction and its epilogue, the chunk's offset a parameter), and each reductio
 contraction of the chunk with an input, which cuBLAS does best (`torch.einsum`). A reduction over
 the chunked axis adds its chunk's part to an fp32 accumulator; the others write their slice. The
 chunked axis is the one whose accumulated results are smallest; the chunk is as long as the memory
-budget allows (`chunk_length`).
+budget allows (`chunk_length`). A one-hot term of G (`where(t[i] == v, c[i], 0)`, the target's -1 in
+softmax - one_hot) stays out of the chunks: the contractions over v take it once as rows of their
+operand at t (a gather), the others see it added into each chunk (`OneHot`).
 
 Example:
     >>> import torch
@@ -40,10 +42,13 @@ from neptune_fusion.ir.expr import (
     Load,
     Param,
     Reduce,
+    Where,
+    free_axes,
+    loads_of,
     rebuild,
     walk,
 )
-from neptune_fusion.ir.program import OutputSpec, Program, Stage
+from neptune_fusion.ir.program import OutputSpec, Program, Stage, axis_sources
 from neptune_fusion.schedule.partition import Group, needed_stages
 
 PASS = "materialise"
@@ -66,6 +71,22 @@ class Contraction:
     operand_axes: tuple[str, ...]
     over_chunk: bool
     scale: float
+    summed: str = ""  # the axis it sums over
+
+
+@dataclass(frozen=True)
+class OneHot:
+    """A term `where(index[j] == axis, coefficient[j], 0)` of the shared stage, kept out of what the
+    producer computes. A contraction summing over `axis` gets its part once, after the chunks: the
+    operand's rows at `index`, times the coefficient (a gather), so a chunked sum never rounds small
+    parts against it; the other contractions see it added into each chunk (one entry per `j`).
+    `coefficient` computes it (its one output over `index_axes`); an index outside the axis adds
+    nothing, as the where does."""
+
+    axis: str
+    index: str
+    index_axes: tuple[str, ...]
+    coefficient: Program
 
 
 @dataclass(frozen=True)
@@ -82,6 +103,7 @@ class Materialised:
     contractions: tuple[Contraction, ...]
     results: tuple[str, ...]
     result_axes: tuple[tuple[str, ...], ...]
+    one_hot: OneHot | None = None
 
 
 def materialise(groups: Sequence[Group], sizes: dict[str, int]) -> Materialised:
@@ -102,9 +124,51 @@ def materialise(groups: Sequence[Group], sizes: dict[str, int]) -> Materialised:
     shared_axes = home.program.stage(shared).axes
     axis = _chunk_axis(members, shared_axes, sizes)
     contractions = tuple(_contraction(result, stage, axis, inputs) for result, stage, _ in members)
-    producer, sliced = _producer(home.program, shared, axis)
+    program, one_hot = _without_one_hot(home.program, shared, {c.summed for c in contractions})
+    producer, sliced = _producer(program, shared, axis)
     return Materialised(producer, shared, axis, sliced, contractions, tuple(r for r, _, _ in members),
-                        tuple(stage.axes for _, stage, _ in members))
+                        tuple(stage.axes for _, stage, _ in members), one_hot)
+
+
+def _without_one_hot(program: Program, shared: str, summed: set[str]) -> tuple[Program, OneHot | None]:
+    """`program` with the shared stage's term `where(t[j] == v, c, 0)` taken out, and that term
+    (None where the stage has none): `t` an integer input over one axis `j`, `c` free of `v`, and
+    some contraction summing over `v` (the one the term would dominate)."""
+    stage = program.stage(shared)
+    body = stage.body
+    if not (isinstance(body, Binary) and body.op == "add"):
+        return program, None
+    kinds = {b.name: b.kind for b in program.inputs}
+    for term, rest in ((body.a, body.b), (body.b, body.a)):
+        if not (isinstance(term, Where) and isinstance(term.b, Const) and term.b.value == 0
+                and isinstance(term.cond, Binary) and term.cond.op == "eq"):
+            continue
+        for index, hot in ((term.cond.a, term.cond.b), (term.cond.b, term.cond.a)):
+            if not (isinstance(hot, Index) and hot.axis in stage.axes and hot.axis in summed
+                    and isinstance(index, Load) and kinds.get(index.buffer) == "int" and len(index.index) == 1
+                    and isinstance(index.index[0], Index) and index.index[0].axis in stage.axes
+                    and index.index[0].axis != hot.axis):
+                continue
+            own = index.index[0].axis
+            if set(stage.axes) != {own, hot.axis}:
+                continue
+            reads = {st.name: st for st in program.all_stages()}
+            if free_axes(term.a) - {own} or any(hot.axis in reads[n].axes for n in loads_of(term.a) if n in reads):
+                continue
+            coefficient = Stage("one_hot_coefficient", (own,), term.a)
+            needed = needed_stages([st for st in program.all_stages() if st.name != shared] + [coefficient],
+                                   {coefficient.name})
+            reading = set().union(*(st.reads() for st in needed))
+            inputs = tuple(b for b in program.inputs if b.name in reading)
+            sizes = {**axis_sources(inputs), **{a: src for a, src in program.axis_sizes.items() if src[0] in reading}}
+            part = replace(program, name=f"{program.name}_one_hot", stages=tuple(needed), inputs=inputs,
+                           outputs=(OutputSpec(coefficient.name, (own,)),), axis_sizes=sizes, loop_axis=None)
+            part.validate()
+            rest_stage = Stage(stage.name, stage.axes, rest)
+            kept = replace(program, stages=tuple(rest_stage if isinstance(st, Stage) and st.name == shared else st
+                                                 for st in program.stages))
+            return kept, OneHot(hot.axis, index.buffer, (own,), part)
+    return program, None
 
 
 def chunk_length(plan: Materialised, sizes: dict[str, int], itemsize: int) -> int:
@@ -195,7 +259,7 @@ def _contraction(result: str, stage: Stage, axis: str, inputs: frozenset[str]) -
             letters[name] = name
     spec = f"{spell(shared.index)},{spell(operand.index)}->{spell([Index(a) for a in stage.axes])}"
     operand_axes = tuple(i.axis for i in operand.index)  # type: ignore[attr-defined]
-    return Contraction(result, spec, operand.buffer, operand_axes, stage.body.axis == axis, scale)
+    return Contraction(result, spec, operand.buffer, operand_axes, stage.body.axis == axis, scale, stage.body.axis)
 
 
 def _producer(program: Program, shared: str, axis: str) -> tuple[Program, tuple[tuple[str, int], ...]]:
@@ -246,4 +310,4 @@ def _shift(expr: Expr, axis: str, offset: Expr, cut: dict[str, int], staged: set
     return rebuild(expr, tuple(_shift(k, axis, offset, cut, staged) for k in kids)) if kids else expr
 
 
-__all__ = ["Contraction", "Materialised", "accumulates_in_fp32", "chunk_budget", "chunk_length", "materialise"]
+__all__ = ["Contraction", "Materialised", "OneHot", "accumulates_in_fp32", "chunk_budget", "chunk_length", "materialise"]
