@@ -175,9 +175,11 @@ def _add_one_hot(shared: torch.Tensor, plan: Materialised, term: _OneHotTerm, st
     (own,) = hot.index_axes
     axes = plan.producer.stage(plan.shared).axes
     if plan.axis == hot.axis:  # the chunk holds the columns start .. start + n of every row
-        rows = ((term.index >= start) & (term.index < start + n)).nonzero().squeeze(1)
-        at = {own: rows, hot.axis: term.index[rows] - start}
-        values = term.coefficient[rows]
+        # every row adds its entry, 0 where its index lies in another chunk (no nonzero(): no sync)
+        inside = (term.index >= start) & (term.index < start + n)
+        at = {own: torch.arange(term.index.shape[0], device=shared.device),
+              hot.axis: torch.where(inside, term.index - start, 0)}
+        values = torch.where(inside, term.coefficient, 0.0)
     else:  # the chunk holds the rows start .. start + n
         at = {own: torch.arange(n, device=shared.device), hot.axis: term.index[start:start + n]}
         values = term.coefficient[start:start + n]
