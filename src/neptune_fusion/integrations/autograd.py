@@ -19,7 +19,6 @@ Example:
 
 from __future__ import annotations
 
-import string
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -189,20 +188,20 @@ def _add_one_hot(shared: torch.Tensor, plan: Materialised, term: _OneHotTerm, st
 def _gather_one_hot(c: Contraction, axes: tuple[str, ...], out: torch.Tensor, operand: torch.Tensor,
                     term: _OneHotTerm, budget: int) -> None:
     """`out` += the term's part of contraction `c` (which sums over the one-hot axis): the
-    operand's slices at the indices, times the coefficient; a block of indices at a time, within
-    `budget` bytes."""
+    operand's slices at the indices, times the coefficient, added in place; a block of indices at
+    a time, its gathered slices within `budget` bytes."""
     hot = term.hot
     (own,) = hot.index_axes
     gathered_axes = tuple(own if a == hot.axis else a for a in c.operand_axes)
-    letters = {a: string.ascii_letters[k] for k, a in enumerate(dict.fromkeys((*gathered_axes, *axes)))}
-    spec = f"{''.join(letters[a] for a in gathered_axes)},{letters[own]}->{''.join(letters[a] for a in axes)}"
     dim = c.operand_axes.index(hot.axis)
-    per_index = operand.numel() // operand.shape[dim] * 4
-    step = max(1, budget // max(1, per_index))
+    step = max(1, budget // max(1, operand.numel() // max(1, operand.shape[dim]) * operand.element_size()))
+    coefficient = term.coefficient * c.scale
+    shape = [-1 if a == own else 1 for a in axes]
     for first in range(0, term.index.shape[0], step):
-        index = term.index[first:first + step]
-        part = torch.einsum(spec, operand.index_select(dim, index).float(), term.coefficient[first:first + step])
-        out.narrow(axes.index(own), first, index.shape[0]).add_(part.to(out.dtype), alpha=c.scale)
+        gathered = operand.index_select(dim, term.index[first:first + step])
+        gathered = gathered.permute([gathered_axes.index(a) for a in axes])  # the result's axes (a view)
+        part = coefficient[first:first + step].reshape(shape)
+        out.narrow(axes.index(own), first, part.numel()).addcmul_(gathered, part)
 
 
 def contract_into(spec: str, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, accumulate: bool,

@@ -124,16 +124,19 @@ def materialise(groups: Sequence[Group], sizes: dict[str, int]) -> Materialised:
     shared_axes = home.program.stage(shared).axes
     axis = _chunk_axis(members, shared_axes, sizes)
     contractions = tuple(_contraction(result, stage, axis, inputs) for result, stage, _ in members)
-    program, one_hot = _without_one_hot(home.program, shared, {c.summed for c in contractions})
+    program, one_hot = _without_one_hot(home.program, shared, contractions)
     producer, sliced = _producer(program, shared, axis)
     return Materialised(producer, shared, axis, sliced, contractions, tuple(r for r, _, _ in members),
                         tuple(stage.axes for _, stage, _ in members), one_hot)
 
 
-def _without_one_hot(program: Program, shared: str, summed: set[str]) -> tuple[Program, OneHot | None]:
+def _without_one_hot(program: Program, shared: str, contractions: Sequence[Contraction]
+                     ) -> tuple[Program, OneHot | None]:
     """`program` with the shared stage's term `where(t[j] == v, c, 0)` taken out, and that term
-    (None where the stage has none): `t` an integer input over one axis `j`, `c` free of `v`, and
-    some contraction summing over `v` (the one the term would dominate)."""
+    (None where the stage has none): `t` an integer input over one axis `j`, `c` free of `v`, the
+    stage over (j, v) only, and some contraction summing over `v` (the one the term would dominate),
+    each such one with an operand not indexed by `j` (its slices at t are the result's)."""
+    summed = {c.summed for c in contractions}
     stage = program.stage(shared)
     body = stage.body
     if not (isinstance(body, Binary) and body.op == "add"):
@@ -150,7 +153,8 @@ def _without_one_hot(program: Program, shared: str, summed: set[str]) -> tuple[P
                     and index.index[0].axis != hot.axis):
                 continue
             own = index.index[0].axis
-            if set(stage.axes) != {own, hot.axis}:
+            if set(stage.axes) != {own, hot.axis} or any(own in c.operand_axes for c in contractions
+                                                         if c.summed == hot.axis):
                 continue
             reads = {st.name: st for st in program.all_stages()}
             if free_axes(term.a) - {own} or any(hot.axis in reads[n].axes for n in loads_of(term.a) if n in reads):
