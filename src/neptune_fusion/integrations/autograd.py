@@ -122,6 +122,7 @@ class Chunked:
         # and get the term once after the chunks (a gather); the others read it in the chunk
         gathers = [j for j, c in enumerate(plan.contractions) if term is not None and c.summed == hot.axis]
         others = [j for j in range(len(outs)) if j not in gathers]
+
         def contract(j: int, shared: torch.Tensor, start: int, n: int) -> None:
             c, axes, out = plan.contractions[j], plan.result_axes[j], outs[j]
             operand = named[c.operand]
