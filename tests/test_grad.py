@@ -599,3 +599,30 @@ def test_the_target_term_of_linear_cross_entropy_is_gathered_not_chunked(monkeyp
     (step,) = [s for s in steps if isinstance(s, Chunked)]
     assert step.plan.axis == ("v" if tokens < vocab else "i") and step.plan.one_hot is not None
     assert not any(isinstance(n, Where) for st in step.plan.producer.stages for n in walk(st.body))
+
+
+@pytest.mark.parametrize("hidden", [32, 600])  # one kernel each way / the chunked backward
+def test_linear_cross_entropy_ignores_targets_outside_the_vocabulary(monkeypatch, hidden) -> None:
+    """torch's ignore_index (-100, padding) and any target outside [0, vocabulary): loss 0 and no
+    gradient, never a read outside the logits; the other rows as torch's cross-entropy."""
+    from neptune_fusion.schedule import materialise
+
+    monkeypatch.setattr(materialise, "MIN_CHUNK_BYTES", 0)
+    monkeypatch.setattr(materialise, "CHUNK_SHARE", 0.0)
+    torch.manual_seed(1)
+    h, w = torch.randn(12, hidden, dtype=torch.float64), torch.randn(300, hidden, dtype=torch.float64) * 0.05
+    target = torch.randint(0, 300, (12,))
+    target[[2, 7]] = -100
+    target[9] = 300
+    seed = torch.rand(12, dtype=torch.float64) + 0.5
+    hl, wl = h.float().requires_grad_(), w.float().requires_grad_()
+    loss = nf.compile(linear_cross_entropy)(hl, wl, target)
+    loss.backward(seed.float())
+    hr, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
+    kept = target.clone()
+    kept[9] = -100
+    want = torch.nn.functional.cross_entropy(hr @ wr.T, kept, reduction="none", ignore_index=-100)
+    want.backward(seed)
+    torch.testing.assert_close(loss.double(), want.detach(), atol=1e-5, rtol=1e-5)
+    assert torch.all(loss[[2, 7, 9]] == 0) and torch.all(hl.grad[[2, 7, 9]] == 0)
+    assert_grads([hl.grad, wl.grad], [hr.grad, wr.grad], tol=1e-5)

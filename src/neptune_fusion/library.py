@@ -10,7 +10,7 @@ Example:
 
 from __future__ import annotations
 
-from neptune_fusion.lang.ops import einsum, exp, index, inf, log, sqrt, where
+from neptune_fusion.lang.ops import cast, einsum, exp, index, inf, log, size, sqrt, where
 from neptune_fusion.lang.trace import program
 
 
@@ -70,11 +70,13 @@ def linear_logsumexp(h, w):
 
 @program
 def linear_cross_entropy(h, w, target):
-    """Cross-entropy of `h @ w^T` against integer targets, per row, without the logits in memory."""
+    """Cross-entropy of `h @ w^T` against integer targets, per row, without the logits in memory.
+    A target outside [0, vocabulary) (torch's ignore_index -100, padding) gives 0 and no gradient."""
     s = einsum("id,vd->iv", h, w)
     m = s.max(axis=-1, keepdims=True)
     lse = (m + log(exp(s - m).sum(axis=-1, keepdims=True)))[..., 0]
-    return lse - s[index(lse, 0), target]
+    kept = (target >= 0) & (target < size(s, -1))
+    return (lse - s[index(lse, 0), where(kept, target, 0)]) * cast(kept, "f32")
 
 
 @program

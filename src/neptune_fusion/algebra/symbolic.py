@@ -288,6 +288,8 @@ class ValueSymbols:
                 raise NotAlgebraic("a boolean constant in arithmetic")
             return number(expr.value) if math.isfinite(expr.value) else (sp.oo if expr.value > 0 else -sp.oo)
         if isinstance(expr, Cast):
+            if _is_condition(expr.x):  # a 0 / 1 flag: constant wherever it is differentiable
+                return self.symbol(expr)
             return self.convert(expr.x)
         if isinstance(expr, Unary) and expr.op in _UNARY:
             return _UNARY[expr.op](self.convert(expr.x))
@@ -296,6 +298,14 @@ class ValueSymbols:
         if isinstance(expr, (Load, Index, Param, Size)):
             return self.symbol(expr)
         raise NotAlgebraic(f"operation {getattr(expr, 'op', type(expr).__name__)!r} in a differentiated value")
+
+
+_CONDITIONS = frozenset({"lt", "le", "gt", "ge", "eq", "ne", "and", "or"})
+
+
+def _is_condition(expr: Expr) -> bool:
+    """Whether `expr` is a comparison or a boolean combination of them."""
+    return (isinstance(expr, Binary) and expr.op in _CONDITIONS) or (isinstance(expr, Unary) and expr.op == "not")
 
 
 def directional_derivative(value: sp.Expr, motion: dict[sp.Symbol, sp.Expr]) -> sp.Expr:

@@ -34,6 +34,7 @@ from neptune_fusion.runtime.compiled import Compiled, install_allocator, output_
 from neptune_fusion.runtime.reference import axis_extents, run_reference
 from neptune_fusion.runtime.state import in_cudagraph_tree, private_state
 from neptune_fusion.schedule.materialise import (
+    LENGTH_PARAM,
     OFFSET_PARAM,
     Contraction,
     Materialised,
@@ -73,10 +74,10 @@ class Chunked:
         self.plan = plan
         self.producer = Compiled(FixedProgram(plan.producer), Auto(), allow_fallback)
         names = {b.name for b in plan.producer.inputs} | {c.operand for c in plan.contractions}
-        params = [p for p in plan.producer.params if p != OFFSET_PARAM]
+        params = [p for p in plan.producer.params if p not in (OFFSET_PARAM, LENGTH_PARAM)]
         if plan.one_hot is not None:
-            names |= {plan.one_hot.index} | {b.name for b in plan.one_hot.coefficient.inputs}
-            params += [p for p in plan.one_hot.coefficient.params if p not in params]
+            names |= {b.name for b in plan.one_hot.values.inputs}
+            params += [p for p in plan.one_hot.values.params if p not in params]
         self.inputs = tuple(sorted(names))
         self.params = tuple(params)
 
@@ -99,8 +100,9 @@ class Chunked:
         cut = dict(self.plan.sliced)
         args = {b.name: named[b.name].narrow(cut[b.name], start, n) if b.name in cut else named[b.name]
                 for b in self.plan.producer.inputs}
-        args.update({p: named[p] for p in self.plan.producer.params if p != OFFSET_PARAM})
+        args.update({p: named[p] for p in self.plan.producer.params if p not in (OFFSET_PARAM, LENGTH_PARAM)})
         args[OFFSET_PARAM] = start
+        args[LENGTH_PARAM] = self._sizes(named)[self.plan.axis]
         return args
 
     def __call__(self, **named: Any) -> tuple[torch.Tensor, ...]:
@@ -160,10 +162,10 @@ class _OneHotTerm:
 
 
 def _one_hot_term(hot: OneHot, named: dict[str, Any], size: int) -> _OneHotTerm:
-    program = hot.coefficient
+    program = hot.values
     args = {b.name: named[b.name] for b in program.inputs} | {p: named[p] for p in program.params}
-    coefficient = run_reference(program, args, out_dtype=torch.float32)
-    index = named[hot.index]
+    index, coefficient = run_reference(program, args, dtype=torch.float64)  # float64: indices exact to 2**53
+    index, coefficient = index.long(), coefficient.float()
     inside = (index >= 0) & (index < size)
     return _OneHotTerm(hot, torch.where(inside, index, 0), torch.where(inside, coefficient, 0.0))
 
@@ -171,8 +173,7 @@ def _one_hot_term(hot: OneHot, named: dict[str, Any], size: int) -> _OneHotTerm:
 def _add_one_hot(shared: torch.Tensor, plan: Materialised, term: _OneHotTerm, start: int, n: int) -> None:
     """The term added into a chunk of the shared stage (`start`, `n` along the chunked axis): one
     entry per index, so the sum is the same in any order."""
-    hot = term.hot
-    (own,) = hot.index_axes
+    hot, own = term.hot, term.hot.own
     axes = plan.producer.stage(plan.shared).axes
     if plan.axis == hot.axis:  # the chunk holds the columns start .. start + n of every row
         # every row adds its entry, 0 where its index lies in another chunk (no nonzero(): no sync)
@@ -191,8 +192,7 @@ def _gather_one_hot(c: Contraction, axes: tuple[str, ...], out: torch.Tensor, op
     """`out` += the term's part of contraction `c` (which sums over the one-hot axis): the
     operand's slices at the indices, times the coefficient, added in place; a block of indices at
     a time, its gathered slices within `budget` bytes."""
-    hot = term.hot
-    (own,) = hot.index_axes
+    hot, own = term.hot, term.hot.own
     gathered_axes = tuple(own if a == hot.axis else a for a in c.operand_axes)
     dim = c.operand_axes.index(hot.axis)
     step = max(1, budget // max(1, operand.numel() // max(1, operand.shape[dim]) * operand.element_size()))

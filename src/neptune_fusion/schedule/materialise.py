@@ -42,6 +42,7 @@ from neptune_fusion.ir.expr import (
     Load,
     Param,
     Reduce,
+    Size,
     Where,
     free_axes,
     loads_of,
@@ -53,6 +54,7 @@ from neptune_fusion.schedule.partition import Group, needed_stages
 
 PASS = "materialise"
 OFFSET_PARAM = "chunk_start"
+LENGTH_PARAM = "chunked_length"  # the chunked axis's whole length (`size` of it inside a chunk)
 # the materialised chunk may take this share of the results' own size (at least MIN_CHUNK_BYTES)
 CHUNK_SHARE = 1 / 16
 MIN_CHUNK_BYTES = 16 << 20
@@ -76,17 +78,16 @@ class Contraction:
 
 @dataclass(frozen=True)
 class OneHot:
-    """A term `where(index[j] == axis, coefficient[j], 0)` of the shared stage, kept out of what the
-    producer computes. A contraction summing over `axis` gets its part once, after the chunks: the
-    operand's rows at `index`, times the coefficient (a gather), so a chunked sum never rounds small
-    parts against it; the other contractions see it added into each chunk (one entry per `j`).
-    `coefficient` computes it (its one output over `index_axes`); an index outside the axis adds
-    nothing, as the where does."""
+    """A term `where(t[j] == axis, c[j], 0)` of the shared stage, kept out of what the producer
+    computes (`t` and `c` any expressions over the one axis `j`). A contraction summing over `axis`
+    gets its part once, after the chunks: the operand's rows at t, times c (a gather), so a chunked
+    sum never rounds small parts against it; the other contractions see it added into each chunk
+    (one entry per `j`). `values` computes t and c (its two outputs over `own`); an index outside
+    the axis adds nothing, as the where does."""
 
     axis: str
-    index: str
-    index_axes: tuple[str, ...]
-    coefficient: Program
+    own: str
+    values: Program
 
 
 @dataclass(frozen=True)
@@ -132,46 +133,49 @@ def materialise(groups: Sequence[Group], sizes: dict[str, int]) -> Materialised:
 
 def _without_one_hot(program: Program, shared: str, contractions: Sequence[Contraction]
                      ) -> tuple[Program, OneHot | None]:
-    """`program` with the shared stage's term `where(t[j] == v, c, 0)` taken out, and that term
-    (None where the stage has none): `t` an integer input over one axis `j`, `c` free of `v`, the
-    stage over (j, v) only, and some contraction summing over `v` (the one the term would dominate),
-    each such one with an operand not indexed by `j` (its slices at t are the result's)."""
-    summed = {c.summed for c in contractions}
+    """`program` with the shared stage's term `where(t == v, c, 0)` taken out, and that term (None
+    where the stage has none): `t` and `c` free of `v` and over one other axis `j` of the stage
+    (whose axes are j and v), `t` reading no stage that varies along v, and some contraction summing
+    over `v` (the one the term would dominate), none of those with an operand indexed by `j`."""
     stage = program.stage(shared)
     body = stage.body
     if not (isinstance(body, Binary) and body.op == "add"):
         return program, None
-    kinds = {b.name: b.kind for b in program.inputs}
+    by_name = {st.name: st for st in program.all_stages()}
+    summed_over = {c.summed: c for c in contractions}
+
+    def over(expr: Expr, axis: str) -> bool:  # an expression over `axis` only, reading no v-indexed stage
+        return free_axes(expr) <= {axis} and all(n not in by_name or set(by_name[n].axes) <= {axis}
+                                                 for n in loads_of(expr))
+
     for term, rest in ((body.a, body.b), (body.b, body.a)):
         if not (isinstance(term, Where) and isinstance(term.b, Const) and term.b.value == 0
                 and isinstance(term.cond, Binary) and term.cond.op == "eq"):
             continue
         for index, hot in ((term.cond.a, term.cond.b), (term.cond.b, term.cond.a)):
-            if not (isinstance(hot, Index) and hot.axis in stage.axes and hot.axis in summed
-                    and isinstance(index, Load) and kinds.get(index.buffer) == "int" and len(index.index) == 1
-                    and isinstance(index.index[0], Index) and index.index[0].axis in stage.axes
-                    and index.index[0].axis != hot.axis):
+            if not (isinstance(hot, Index) and hot.axis in summed_over and len(stage.axes) == 2
+                    and hot.axis in stage.axes):
                 continue
-            own = index.index[0].axis
-            if set(stage.axes) != {own, hot.axis} or any(own in c.operand_axes for c in contractions
-                                                         if c.summed == hot.axis):
+            (own,) = [a for a in stage.axes if a != hot.axis]
+            if not (over(index, own) and over(term.a, own)) or any(
+                    own in c.operand_axes for c in contractions if c.summed == hot.axis):
                 continue
-            reads = {st.name: st for st in program.all_stages()}
-            if free_axes(term.a) - {own} or any(hot.axis in reads[n].axes for n in loads_of(term.a) if n in reads):
-                continue
-            coefficient = Stage("one_hot_coefficient", (own,), term.a)
-            needed = needed_stages([st for st in program.all_stages() if st.name != shared] + [coefficient],
-                                   {coefficient.name})
+            made = [Stage("one_hot_index", (own,), index), Stage("one_hot_coefficient", (own,), term.a)]
+            needed = needed_stages([st for st in program.all_stages() if st.name != shared] + made,
+                                   {st.name for st in made})
             reading = set().union(*(st.reads() for st in needed))
+            measured = {n.axis for st in needed for n in walk(st.body) if isinstance(n, Size)}
+            reading |= {program.axis_sizes[a][0] for a in measured if a in program.axis_sizes}  # for their sizes
             inputs = tuple(b for b in program.inputs if b.name in reading)
             sizes = {**axis_sources(inputs), **{a: src for a, src in program.axis_sizes.items() if src[0] in reading}}
-            part = replace(program, name=f"{program.name}_one_hot", stages=tuple(needed), inputs=inputs,
-                           outputs=(OutputSpec(coefficient.name, (own,)),), axis_sizes=sizes, loop_axis=None)
-            part.validate()
-            rest_stage = Stage(stage.name, stage.axes, rest)
-            kept = replace(program, stages=tuple(rest_stage if isinstance(st, Stage) and st.name == shared else st
+            values = replace(program, name=f"{program.name}_one_hot", stages=tuple(needed), inputs=inputs,
+                             outputs=tuple(OutputSpec(st.name, (own,)) for st in made), axis_sizes=sizes,
+                             loop_axis=None)
+            values.validate()
+            kept = replace(program, stages=tuple(Stage(stage.name, stage.axes, rest)
+                                                 if isinstance(st, Stage) and st.name == shared else st
                                                  for st in program.stages))
-            return kept, OneHot(hot.axis, index.buffer, (own,), part)
+            return kept, OneHot(hot.axis, own, values)
     return program, None
 
 
@@ -291,18 +295,20 @@ def _producer(program: Program, shared: str, axis: str) -> tuple[Program, tuple[
     body = [Stage(s.name, s.axes, rewrite(s.body)) for s in stages]
     inputs = tuple(b for b in program.inputs if b.name in needed)
     out = replace(program, name=f"{program.name}_{shared}", inputs=inputs,
-                  params=(*[p for p in program.params if p in needed], OFFSET_PARAM), stages=tuple(body),
-                  outputs=(OutputSpec(shared, program.stage(shared).axes),),
-                  param_kinds={**program.param_kinds, OFFSET_PARAM: "int"}, loop_axis=None)
+                  params=(*[p for p in program.params if p in needed], OFFSET_PARAM, LENGTH_PARAM),
+                  stages=tuple(body), outputs=(OutputSpec(shared, program.stage(shared).axes),),
+                  param_kinds={**program.param_kinds, OFFSET_PARAM: "int", LENGTH_PARAM: "int"}, loop_axis=None)
     return out, sliced
 
 
 def _shift(expr: Expr, axis: str, offset: Expr, cut: dict[str, int], staged: set[str]) -> Expr:
-    """`expr` with the chunked axis at its global position (`offset`) wherever it stands for one:
-    not inside a stage's index (stages are computed per chunk, in its local positions), not at the
+    """`expr` with the chunked axis at its global position (`offset`) wherever it stands for one
+    (and its size the whole axis's, `LENGTH_PARAM`): not inside a stage's index (stages are computed per chunk, in its local positions), not at the
     dim along which an input is cut, not under a reduction over an axis of that name."""
     if isinstance(expr, Index):
         return offset if expr.axis == axis else expr
+    if isinstance(expr, Size) and expr.axis == axis:
+        return Param(LENGTH_PARAM)
     if isinstance(expr, Load):
         if expr.buffer in staged:
             return expr
@@ -314,4 +320,4 @@ def _shift(expr: Expr, axis: str, offset: Expr, cut: dict[str, int], staged: set
     return rebuild(expr, tuple(_shift(k, axis, offset, cut, staged) for k in kids)) if kids else expr
 
 
-__all__ = ["Contraction", "Materialised", "OneHot", "accumulates_in_fp32", "chunk_budget", "chunk_length", "materialise"]
+__all__ = ["LENGTH_PARAM", "OFFSET_PARAM", "Contraction", "Materialised", "OneHot", "accumulates_in_fp32", "chunk_budget", "chunk_length", "materialise"]
