@@ -142,7 +142,7 @@ def _without_one_hot(program: Program, shared: str, contractions: Sequence[Contr
     if not (isinstance(body, Binary) and body.op == "add"):
         return program, None
     by_name = {st.name: st for st in program.all_stages()}
-    summed_over = {c.summed: c for c in contractions}
+    summed_over = {c.summed for c in contractions}
 
     def over(expr: Expr, axis: str) -> bool:  # an expression over `axis` only, reading no v-indexed stage
         return free_axes(expr) <= {axis} and all(n not in by_name or set(by_name[n].axes) <= {axis}
@@ -302,9 +302,10 @@ def _producer(program: Program, shared: str, axis: str) -> tuple[Program, tuple[
 
 
 def _shift(expr: Expr, axis: str, offset: Expr, cut: dict[str, int], staged: set[str]) -> Expr:
-    """`expr` with the chunked axis at its global position (`offset`) wherever it stands for one
-    (and its size the whole axis's, `LENGTH_PARAM`): not inside a stage's index (stages are computed per chunk, in its local positions), not at the
-    dim along which an input is cut, not under a reduction over an axis of that name."""
+    """`expr` with the chunked axis at its global position (`offset`) wherever it stands for one,
+    and its size the whole axis's (`LENGTH_PARAM`): not inside a stage's index (stages are computed
+    per chunk, in its local positions), not at the dim along which an input is cut, not under a
+    reduction over an axis of that name."""
     if isinstance(expr, Index):
         return offset if expr.axis == axis else expr
     if isinstance(expr, Size) and expr.axis == axis:
