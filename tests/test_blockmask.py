@@ -423,9 +423,10 @@ def test_implied_in_small_chunks_and_refusals(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_the_check_evaluates_on_broadcast_indices_and_falls_back_to_vmap(monkeypatch: pytest.MonkeyPatch) -> None:
-    """mask_mod is evaluated on broadcast index tensors (a few element-wise passes); one whose ops
-    need scalar indices (stacking them) is evaluated through create_mask's vmap instead, with the
-    same verdict; both as create_mask evaluates the grid."""
+    """mask_mod is evaluated on broadcast index tensors (a few element-wise passes) where that
+    agrees with create_mask's vmap on a corner of the grid; one whose ops need scalar indices
+    (stacking them) or that is not point by point (a cumsum) goes through the vmap instead, with the
+    same verdict."""
     import neptune_fusion.integrations.blockmask as blockmask
 
     doc = torch.tensor([0] * 70 + [1] * 90 + [2] * 40)
@@ -436,14 +437,18 @@ def test_the_check_evaluates_on_broadcast_indices_and_falls_back_to_vmap(monkeyp
     def stacked(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         return torch.stack([q_idx, kv_idx])[0] >= kv_idx  # q_idx >= kv_idx; no broadcasting stack
 
-    for mod in (docs, stacked, by_head):
-        box = ((0, 2), (0, 3), (8, 200), (0, 136))
+    def running(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return (q_idx - kv_idx).cumsum(-1) >= 0  # q_idx >= kv_idx for scalars; a running sum when broadcast
+
+    cpu = torch.device("cpu")
+    for mod, broadcasts in ((docs, True), (by_head, True), (stacked, False), (running, False)):
+        assert blockmask._varies(mod, 2, 3, 200, 136, cpu)[2] == broadcasts
         want = create_mask(lambda b, h, q, kv, mod=mod: mod(b, h, q + 8, kv), 2, 3, 192, 136, device="cpu")
-        assert torch.equal(blockmask._evaluate(mod, *box, torch.device("cpu")), want)
+        assert torch.equal(blockmask._evaluate(mod, (0, 2), (0, 3), (8, 200), (0, 136), cpu, broadcasts), want)
     vmapped: list[int] = []
     real = blockmask.create_mask
     monkeypatch.setattr(blockmask, "create_mask", lambda *a, **k: vmapped.append(1) or real(*a, **k))
-    for mod, via_vmap in ((docs, False), (stacked, True)):
+    for mod, via_vmap in ((docs, False), (stacked, True), (running, True)):
         vmapped.clear()
         assert implied(create_block_mask(mod, None, None, 200, 136, device="cpu", BLOCK_SIZE=32), 2, 3)
         assert (len(vmapped) > 1) == via_vmap  # (the b / h probe is one create_mask call)

@@ -275,12 +275,13 @@ def implied_by_mask_mod(tables: BlockTables, batch: int, heads: int, q_len: int,
     qb, kb = min(tables.q_block, q_len), min(tables.kv_block, kv_len)  # one block spans a shorter sequence
     try:
         with torch.no_grad():
-            by_b, by_h = _varies(tables.mask_mod, batch, heads, q_len, kv_len, partial.device)
+            by_b, by_h, broadcasts = _varies(tables.mask_mod, batch, heads, q_len, kv_len, partial.device)
             nb, nh = (batch if by_b else 1), (heads if by_h else 1)
             if nb * nh * q_len * kv_len > _MAX_POSITIONS:
                 return False
             for box in _boxes(nb, nh, partial.shape[2], partial.shape[3], qb, kb):
-                if not _box_implied(tables.mask_mod, listed, full, box, qb, kb, q_len, kv_len, by_b, by_h):
+                if not _box_implied(tables.mask_mod, listed, full, box, qb, kb, q_len, kv_len, by_b, by_h,
+                                    broadcasts):
                     return False
     except Exception:  # noqa: BLE001 - a mask_mod torch cannot evaluate eagerly: the tables stay
         return False
@@ -288,19 +289,26 @@ def implied_by_mask_mod(tables: BlockTables, batch: int, heads: int, q_len: int,
 
 
 def _varies(mask_mod: MaskMod, batch: int, heads: int, q_len: int, kv_len: int,
-            device: torch.device) -> tuple[bool, bool]:
-    """Whether mask_mod's value may differ between batch entries / between heads.
+            device: torch.device) -> tuple[bool, bool, bool]:
+    """Whether mask_mod's value may differ between batch entries / between heads, and whether it
+    evaluates on broadcast index tensors as create_mask evaluates it (point by point).
 
     create_mask vmaps over b and h; a result vmap never batched over one of them comes back
     expanded along it (stride 0). Then no operation read that index, whatever the others are (no
     Python code sees a vmapped index's value, so every evaluation runs the same operations), and
-    one value of it stands for all. Evaluated at two values of each (where the inputs have them).
+    one value of it stands for all. Evaluated at two values of each (where the inputs have them),
+    on a corner of up to 16 x 16 positions, where the broadcast evaluation must agree with it.
     """
-    nb, nh = min(batch, 2), min(heads, 2)
-    keep = create_mask(mask_mod, nb, nh, min(q_len, 2), min(kv_len, 2), device=device)
-    if tuple(keep.shape) != (nb, nh, min(q_len, 2), min(kv_len, 2)):
+    nb, nh, nq, nk = min(batch, 2), min(heads, 2), min(q_len, 16), min(kv_len, 16)
+    keep = create_mask(mask_mod, nb, nh, nq, nk, device=device)
+    if tuple(keep.shape) != (nb, nh, nq, nk):
         raise ValueError(f"mask_mod returned a value of shape {tuple(keep.shape[4:])}, not a scalar")
-    return nb > 1 and keep.stride(0) != 0, nh > 1 and keep.stride(1) != 0
+    try:
+        broadcast = _broadcast(mask_mod, (0, nb), (0, nh), (0, nq), (0, nk), device)
+        broadcasts = broadcast is not None and torch.equal(broadcast, keep)
+    except Exception:  # noqa: BLE001 - an op that needs scalar indices: vmap gives it them
+        broadcasts = False
+    return nb > 1 and keep.stride(0) != 0, nh > 1 and keep.stride(1) != 0, broadcasts
 
 
 Box = tuple[tuple[int, int], tuple[int, int], tuple[int, int], tuple[int, int]]
@@ -330,31 +338,39 @@ def _offset(mask_mod: MaskMod, b0: int, h0: int, q0: int, kv0: int) -> MaskMod:
     return shifted
 
 
-def _evaluate(mask_mod: MaskMod, b: tuple[int, int], h: tuple[int, int], q: tuple[int, int], kv: tuple[int, int],
-              device: torch.device) -> torch.Tensor:
-    """mask_mod over a box of the grid, (b, h, q, kv) each a half-open range: its element-wise
-    torch ops applied to broadcast index tensors (as nf traces a mask_mod: point by point), which
-    costs a few passes over the box; `create_mask`'s vmap where that fails or gives another shape
-    (its fixed cost per call is milliseconds, for a mask indexing a captured tensor)."""
+def _broadcast(mask_mod: MaskMod, b: tuple[int, int], h: tuple[int, int], q: tuple[int, int],
+               kv: tuple[int, int], device: torch.device) -> torch.Tensor | None:
+    """mask_mod over a box of the grid, (b, h, q, kv) each a half-open range, its element-wise torch
+    ops applied to broadcast index tensors (as nf traces a mask_mod: point by point): a few passes
+    over the box. None where the result is not a tensor of at most the box's dims."""
     shape = (b[1] - b[0], h[1] - h[0], q[1] - q[0], kv[1] - kv[0])
     axes = [torch.arange(lo, hi, device=device).view([-1 if d == i else 1 for d in range(4)])
             for i, (lo, hi) in enumerate((b, h, q, kv))]
-    try:
-        keep = mask_mod(*axes)
-        if isinstance(keep, torch.Tensor) and keep.dim() <= 4:
-            return keep.expand(shape)
-    except Exception:  # noqa: BLE001 - an op that needs scalar indices: vmap gives it them
-        pass
+    keep = mask_mod(*axes)
+    return keep.expand(shape) if isinstance(keep, torch.Tensor) and keep.dim() <= 4 else None
+
+
+def _evaluate(mask_mod: MaskMod, b: tuple[int, int], h: tuple[int, int], q: tuple[int, int], kv: tuple[int, int],
+              device: torch.device, broadcasts: bool) -> torch.Tensor:
+    """mask_mod over a box of the grid: on broadcast index tensors where `_varies` found that
+    agrees with `create_mask`'s vmap, whose fixed cost per call is milliseconds (for a mask
+    indexing a captured tensor); else through create_mask."""
+    if broadcasts:
+        keep = _broadcast(mask_mod, b, h, q, kv, device)
+        if keep is not None:
+            return keep
+    shape = (b[1] - b[0], h[1] - h[0], q[1] - q[0], kv[1] - kv[0])
     return create_mask(_offset(mask_mod, b[0], h[0], q[0], kv[0]), *shape, device=device)
 
 
 def _box_implied(mask_mod: MaskMod, listed: torch.Tensor, full: torch.Tensor | None, box: Box, qb: int, kb: int,
-                 q_len: int, kv_len: int, by_b: bool, by_h: bool) -> bool:
+                 q_len: int, kv_len: int, by_b: bool, by_h: bool,
+                 broadcasts: bool) -> bool:
     """`implied_by_mask_mod` on one box: which blocks hold a kept / a masked position, against the
     tables (broadcast over b / h where mask_mod cannot depend on them or the tables don't)."""
     (b0, b1), (h0, h1), (r0, r1), (c0, c1) = box
     q0, q1, k0, k1 = r0 * qb, min(q_len, r1 * qb), c0 * kb, min(kv_len, c1 * kb)
-    keep = _evaluate(mask_mod, (b0, b1), (h0, h1), (q0, q1), (k0, k1), listed.device)
+    keep = _evaluate(mask_mod, (b0, b1), (h0, h1), (q0, q1), (k0, k1), listed.device, broadcasts)
     if keep.dtype != torch.bool:
         raise TypeError(f"mask_mod must return a boolean, got {keep.dtype}")
     pad = (0, (c1 - c0) * kb - (k1 - k0), 0, (r1 - r0) * qb - (q1 - q0))
