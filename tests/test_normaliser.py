@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 import neptune_fusion as nf
-from neptune_fusion.lang.ops import einsum, exp, index, inf, where
+from neptune_fusion.lang.ops import cast, einsum, exp, index, inf, where
 from neptune_fusion.library import attention, linear_cross_entropy, softmax_pooling
 from neptune_fusion.transform.grad import _Reverse, grad_name
 from neptune_fusion.transform.normaliser import save_log_normalisers
@@ -114,3 +114,31 @@ def test_declines_what_it_cannot_rescale() -> None:
         assert after == before, program.name
         assert "max0" in after.saved or "max0" in {i.name for i in after.backward.inputs}
         assert_same(a, b)
+
+
+@nf.program
+def flagged_by_its_max(x, v, c):
+    """A softmax-weighted mean, and `c` where the row's max is positive (else 0): the second output
+    reads the max through a 0/1 flag, so shifting the max to m + log(l) would flip the flag where
+    m < 0 < m + log(l); the max is not free."""
+    m = x.max(axis=-1, keepdims=True)
+    p = exp(x - m)
+    return einsum("ij,ij->i", p, v) / p.sum(axis=-1), c * cast(m[..., 0] > 0.0, "f32")
+
+
+def test_a_flag_of_the_max_keeps_it_saved() -> None:
+    torch.manual_seed(4)
+    x, v, c = torch.randn(6, 7, dtype=torch.float64), torch.randn(6, 7, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
+    # rows whose max is negative but m + log(l) positive: the flag is 0 there (and 1 at m + log(l))
+    x[:3] = -0.1 - 0.4 * torch.rand(3, 7, dtype=torch.float64)
+    args = {"x": x, "v": v, "c": c}
+    traced = flagged_by_its_max.trace(**{n: t.float() for n, t in args.items()})
+    before, after, a, b = before_and_after(traced, args, {}, tuple(args))
+    assert "max0" not in after.free_stabilisers and "lse_max0" not in after.saved
+    assert_same(a, b)
+    seeds = [torch.randn(6, dtype=torch.float64), torch.randn(6, dtype=torch.float64)]
+    got = backward_values(after, traced, args, {}, seeds)
+    leaves = {n: t.clone().requires_grad_() for n, t in args.items()}
+    flag = (leaves["x"].max(-1).values > 0).double()
+    outs = ((torch.softmax(leaves["x"], -1) * leaves["v"]).sum(-1), leaves["c"] * flag)
+    assert_same(got, torch.autograd.grad(outs, list(leaves.values()), seeds))

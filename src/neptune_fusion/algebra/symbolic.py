@@ -288,7 +288,7 @@ class ValueSymbols:
                 raise NotAlgebraic("a boolean constant in arithmetic")
             return number(expr.value) if math.isfinite(expr.value) else (sp.oo if expr.value > 0 else -sp.oo)
         if isinstance(expr, Cast):
-            if _is_condition(expr.x):  # a 0 / 1 flag: constant wherever it is differentiable
+            if is_condition(expr.x):  # a 0 / 1 flag: constant wherever it is differentiable
                 return self.symbol(expr)
             return self.convert(expr.x)
         if isinstance(expr, Unary) and expr.op in _UNARY:
@@ -303,8 +303,14 @@ class ValueSymbols:
 _CONDITIONS = frozenset({"lt", "le", "gt", "ge", "eq", "ne", "and", "or"})
 
 
-def _is_condition(expr: Expr) -> bool:
-    """Whether `expr` is a comparison or a boolean combination of them."""
+def is_condition(expr: Expr) -> bool:
+    """Whether `expr` is a comparison or a boolean combination of them (a 0 / 1 flag when cast).
+
+    Example:
+        >>> from neptune_fusion.ir.expr import Binary, Const, Index
+        >>> is_condition(Binary("lt", Index("i"), Const(3))), is_condition(Index("i"))
+        (True, False)
+    """
     return (isinstance(expr, Binary) and expr.op in _CONDITIONS) or (isinstance(expr, Unary) and expr.op == "not")
 
 
@@ -328,6 +334,8 @@ def solve_for(expr: Expr, unknown: Expr, value: Expr) -> Expr | None:
         lhs = values.convert(expr)
     except NotAlgebraic:
         return None
+    if any(isinstance(e, Cast) and is_condition(e.x) for e in values.exprs.values()):
+        return None  # a 0 / 1 flag: solving through it would divide by it where it is 0
     target, result = values.symbol(unknown), values.symbol(value)
     if not lhs.has(target):
         return None

@@ -523,6 +523,9 @@ def _stabiliser_is_free(program: Program, stabiliser: Stage) -> bool:
         moving = {n for n in walk(expr) if isinstance(n, Load) and (n.buffer == stabiliser.name or n.buffer in factors)}
         if any(n.index != tuple(map(Index, program.stage(n.buffer).axes)) for n in moving):
             return None  # a moving value read at another position moves on its own
+        if any(isinstance(n, Cast) and symbolic.is_condition(n.x) and loads_of(n.x) & {m.buffer for m in moving}
+               for n in walk(expr)):
+            return None  # a flag of a moving value jumps as it moves: no derivative says it stays
         resolved = _branches(expr)
         if resolved is None:
             return None
