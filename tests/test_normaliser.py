@@ -142,3 +142,28 @@ def test_a_flag_of_the_max_keeps_it_saved() -> None:
     flag = (leaves["x"].max(-1).values > 0).double()
     outs = ((torch.softmax(leaves["x"], -1) * leaves["v"]).sum(-1), leaves["c"] * flag)
     assert_same(got, torch.autograd.grad(outs, list(leaves.values()), seeds))
+
+
+@nf.program
+def chosen_by_its_max(x, v, c):
+    """A softmax-weighted mean, and `c` where the row's max is positive (else 0): each branch is
+    free of the max, the choice is not (it would flip at m + log(l) where m < 0 < m + log(l))."""
+    m = x.max(axis=-1, keepdims=True)
+    p = exp(x - m)
+    return einsum("ij,ij->i", p, v) / p.sum(axis=-1), where(m[..., 0] > 0.0, c, 0.0)
+
+
+def test_a_condition_on_the_max_declines_the_fold() -> None:
+    torch.manual_seed(5)
+    x, v, c = torch.randn(6, 7, dtype=torch.float64), torch.randn(6, 7, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
+    x[:3] = -0.1 - 0.4 * torch.rand(3, 7, dtype=torch.float64)
+    args = {"x": x, "v": v, "c": c}
+    traced = chosen_by_its_max.trace(**{n: t.float() for n, t in args.items()})
+    before, after, a, b = before_and_after(traced, args, {}, tuple(args))
+    assert after == before and "max0" in before.free_stabilisers  # free, but its condition stays
+    seeds = [torch.randn(6, dtype=torch.float64), torch.randn(6, dtype=torch.float64)]
+    got = backward_values(after, traced, args, {}, seeds)
+    leaves = {n: t.clone().requires_grad_() for n, t in args.items()}
+    pooled = (torch.softmax(leaves["x"], -1) * leaves["v"]).sum(-1)
+    chosen = torch.where(leaves["x"].max(-1).values > 0, leaves["c"], 0.0)
+    assert_same(got, torch.autograd.grad((pooled, chosen), list(leaves.values()), seeds))

@@ -9,8 +9,9 @@ backward reads it for `m` and the constant 1 for `l`, and every `exp(F - m) / l`
 becomes `exp(F - lse)` (FlashAttention's form: one per-row value instead of two, and no division).
 
 Declined, leaving the gradient as it is, where another saved value depends on `m` (it would have to
-be rescaled too), where `l` is not the plain sum of `exp(F - m)` with `F` the max's own operand, or
-where the backward does not read `l`. A row that sees nothing (`m = -inf`) gets
+be rescaled too), where `l` is not the plain sum of `exp(F - m)` with `F` the max's own operand,
+where the backward does not read `l`, or where a condition of the backward reads `m` other than
+`m == -inf` (it could flip at `m + log(l)`). A row that sees nothing (`m = -inf`) gets
 `lse = -inf`, so the backward's guards on `m == -inf` keep their meaning.
 
 Example:
@@ -42,6 +43,7 @@ from neptune_fusion.ir.expr import (
     loads_of,
     simplify,
     transform_bottom_up,
+    walk,
 )
 from neptune_fusion.ir.program import InputBuffer, OutputSpec, Program, Stage, axis_sources
 from neptune_fusion.transform.inline import inline_into
@@ -113,9 +115,35 @@ def _pairs(gradient: Gradient, stages: dict[str, Stage]) -> list[tuple[str, str]
             continue
         sums = [s for s in gradient.saved if s != m and s in read and _is_log_sum_exp(stages[m], stages[s], stages)]
         others = [s for s in gradient.saved if s != m and s not in sums[:1] and _depends_on(s, m, stages)]
-        if sums and not others:
+        if sums and not others and _conditions_keep(gradient.backward, m):
             pairs.append((m, sums[0]))
     return pairs
+
+
+def _conditions_keep(backward: Program, m: str) -> bool:
+    """Whether every condition of the backward that reads `m` (a where's, a cast flag's) holds at
+    `m + log(l)` exactly where it holds at `m`: only `m == -inf` and `m != -inf` do (a row that
+    sees nothing keeps lse = -inf); `m > 0` would flip where m < 0 < m + log(l)."""
+    def invariant(cond: Expr) -> bool:
+        if m not in loads_of(cond):
+            return True
+        if isinstance(cond, Unary) and cond.op == "not":
+            return invariant(cond.x)
+        if isinstance(cond, Binary) and cond.op in ("and", "or"):
+            return invariant(cond.a) and invariant(cond.b)
+        if isinstance(cond, Binary) and cond.op in ("eq", "ne"):
+            sides = (cond.a, cond.b)
+            return any(isinstance(x, Load) and x.buffer == m for x in sides) and \
+                any(isinstance(x, Const) and x.value == -math.inf for x in sides)
+        return False
+
+    for stage in backward.all_stages():
+        for node in walk(stage.body):
+            if isinstance(node, Where) and not invariant(node.cond):
+                return False
+            if isinstance(node, Cast) and symbolic.is_condition(node.x) and not invariant(node.x):
+                return False
+    return True
 
 
 def _fresh(base: str, taken: set[str]) -> str:
