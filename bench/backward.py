@@ -8,7 +8,8 @@ an fp32 dense reference on a few heads; peak extra memory of each backward recor
                                                  (the correctness half on the CPU, under the interpreter)
 
 With an earlier version importable as `nf_before` (bench/ab_baseline.sh REV, .baseline on
-PYTHONPATH) it is timed beside. Writes $OUT/backward.json (or bench/results/backward.json) and prints one line per case.
+PYTHONPATH) it is timed beside. Writes $OUT/<name>.json (--name, default backward; or under
+bench/results/) and prints one line per case.
 """
 
 from __future__ import annotations
@@ -174,6 +175,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=HEADS)
     parser.add_argument("--dim", type=int, default=DIM)
     parser.add_argument("--check-only", action="store_true", help="gradients against fp32 only, no timing")
+    parser.add_argument("--name", default="backward", help="the results file's name (two runs in one call keep both)")
     args = parser.parse_args()
     globals().update(HEADS=args.heads, DIM=args.dim)
     if DEVICE == "cuda":
@@ -190,7 +192,7 @@ def main() -> None:
                 if DEVICE == "cuda":
                     torch.cuda.empty_cache()
                     # after every case, so a run stopped at its time limit still leaves what it measured
-                    write_results("backward", {"env": environment(), "fa4": fa4 is not None, "rows": rows})
+                    write_results(args.name, {"env": environment(), "fa4": fa4 is not None, "rows": rows})
 
 
 if __name__ == "__main__":
