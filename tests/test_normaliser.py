@@ -167,3 +167,28 @@ def test_a_condition_on_the_max_declines_the_fold() -> None:
     pooled = (torch.softmax(leaves["x"], -1) * leaves["v"]).sum(-1)
     chosen = torch.where(leaves["x"].max(-1).values > 0, leaves["c"], 0.0)
     assert_same(got, torch.autograd.grad((pooled, chosen), list(leaves.values()), seeds))
+
+
+@nf.program
+def chosen_by_its_sum(x, v, c):
+    """A softmax-weighted mean, and `c` where the row's sum of exponentials exceeds 2 (else 0): the
+    sum becomes 1 in the folded backward, so the choice stays with (m, l)."""
+    p = exp(x - x.max(axis=-1, keepdims=True))
+    total = p.sum(axis=-1)
+    return einsum("ij,ij->i", p, v) / total, where(total > 2.0, c, 0.0)
+
+
+def test_a_condition_on_the_sum_declines_the_fold() -> None:
+    torch.manual_seed(6)
+    x, v, c = torch.randn(6, 7, dtype=torch.float64), torch.randn(6, 7, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
+    x[:3, 0] += 5.0  # rows dominated by one entry: their sum is below 2
+    args = {"x": x, "v": v, "c": c}
+    traced = chosen_by_its_sum.trace(**{n: t.float() for n, t in args.items()})
+    before, after, a, b = before_and_after(traced, args, {}, tuple(args))
+    assert after == before and "max0" in before.free_stabilisers
+    seeds = [torch.randn(6, dtype=torch.float64), torch.randn(6, dtype=torch.float64)]
+    got = backward_values(after, traced, args, {}, seeds)
+    leaves = {n: t.clone().requires_grad_() for n, t in args.items()}
+    e = torch.exp(leaves["x"] - leaves["x"].max(-1, keepdim=True).values)
+    outs = ((e * leaves["v"]).sum(-1) / e.sum(-1), torch.where(e.sum(-1) > 2.0, leaves["c"], 0.0))
+    assert_same(got, torch.autograd.grad(outs, list(leaves.values()), seeds))

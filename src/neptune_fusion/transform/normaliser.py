@@ -10,8 +10,8 @@ becomes `exp(F - lse)` (FlashAttention's form: one per-row value instead of two,
 
 Declined, leaving the gradient as it is, where another saved value depends on `m` (it would have to
 be rescaled too), where `l` is not the plain sum of `exp(F - m)` with `F` the max's own operand,
-where the backward does not read `l`, or where a condition of the backward reads `m` other than
-`m == -inf` (it could flip at `m + log(l)`). A row that sees nothing (`m = -inf`) gets
+where the backward does not read `l`, or where a condition of the backward reads `l` or reads `m`
+other than as `m == -inf` (it could flip at `m + log(l)`). A row that sees nothing (`m = -inf`) gets
 `lse = -inf`, so the backward's guards on `m == -inf` keep their meaning.
 
 Example:
@@ -115,16 +115,19 @@ def _pairs(gradient: Gradient, stages: dict[str, Stage]) -> list[tuple[str, str]
             continue
         sums = [s for s in gradient.saved if s != m and s in read and _is_log_sum_exp(stages[m], stages[s], stages)]
         others = [s for s in gradient.saved if s != m and s not in sums[:1] and _depends_on(s, m, stages)]
-        if sums and not others and _conditions_keep(gradient.backward, m):
+        if sums and not others and _conditions_keep(gradient.backward, m, sums[0]):
             pairs.append((m, sums[0]))
     return pairs
 
 
-def _conditions_keep(backward: Program, m: str) -> bool:
+def _conditions_keep(backward: Program, m: str, total: str) -> bool:
     """Whether every condition of the backward that reads `m` (a where's, a cast flag's) holds at
     `m + log(l)` exactly where it holds at `m`: only `m == -inf` and `m != -inf` do (a row that
-    sees nothing keeps lse = -inf); `m > 0` would flip where m < 0 < m + log(l)."""
+    sees nothing keeps lse = -inf); `m > 0` would flip where m < 0 < m + log(l). No condition may
+    read the sum `total`, which becomes 1 (`l == 0` would never hold)."""
     def invariant(cond: Expr) -> bool:
+        if total in loads_of(cond):
+            return False
         if m not in loads_of(cond):
             return True
         if isinstance(cond, Unary) and cond.op == "not":
