@@ -3,8 +3,9 @@ process, in interleaved rounds; results written after each case into one folder 
 
 Timing on the GPU is `triton.testing.do_bench`'s median (after its warm-up; it clears the L2 before
 every repetition), and each system keeps its best median over the rounds: short cases swing between
-moments of one run and interleaving gives every system the same moments. Host cases time the host side of a call while the GPU keeps up. Without a GPU the kernels
-run under Triton's interpreter and a wall-clock median stands in: only the mechanism is checked then.
+moments of one run and interleaving gives every system the same moments. Host cases time the host
+side of a call while the GPU keeps up. Without a GPU the kernels run under Triton's interpreter and
+a wall-clock median stands in: only the mechanism is checked then.
 
 Example:
     >>> from neptune_fusion.benchmarks.runner import speedups

@@ -83,7 +83,8 @@ class Chunked:
 
     def first_chunk(self, named: dict[str, Any]) -> dict[str, Any]:
         """The producer's arguments for the first chunk (to plan its kernel before any call)."""
-        return self._chunk_args(named, 0, self._length(named, self._sizes(named)))
+        sizes = self._sizes(named)
+        return self._chunk_args(named, 0, self._length(named, sizes), sizes[self.plan.axis])
 
     def _sizes(self, named: dict[str, Any]) -> dict[str, int]:
         sizes: dict[str, int] = {}
@@ -96,13 +97,13 @@ class Chunked:
     def _length(self, named: dict[str, Any], sizes: dict[str, int]) -> int:
         return chunk_length(self.plan, sizes, named[self.plan.contractions[0].operand].element_size())
 
-    def _chunk_args(self, named: dict[str, Any], start: int, n: int) -> dict[str, Any]:
+    def _chunk_args(self, named: dict[str, Any], start: int, n: int, whole: int) -> dict[str, Any]:
         cut = dict(self.plan.sliced)
         args = {b.name: named[b.name].narrow(cut[b.name], start, n) if b.name in cut else named[b.name]
                 for b in self.plan.producer.inputs}
         args.update({p: named[p] for p in self.plan.producer.params if p not in (OFFSET_PARAM, LENGTH_PARAM)})
         args[OFFSET_PARAM] = start
-        args[LENGTH_PARAM] = self._sizes(named)[self.plan.axis]
+        args[LENGTH_PARAM] = whole
         return args
 
     def __call__(self, **named: Any) -> tuple[torch.Tensor, ...]:
@@ -135,7 +136,7 @@ class Chunked:
 
         for start in range(0, sizes[plan.axis], length):
             n = min(length, sizes[plan.axis] - start)
-            shared = run_kernels(self.producer, self._chunk_args(named, start, n)).to(dtype)
+            shared = run_kernels(self.producer, self._chunk_args(named, start, n, sizes[plan.axis])).to(dtype)
             for j in gathers:
                 contract(j, shared, start, n)
             if term is not None and others:

@@ -63,7 +63,7 @@ from neptune_fusion.ir.expr import (
 )
 from neptune_fusion.ir.program import FusedLoop, InputBuffer, OutputSpec, Program, Stage, axis_sources
 from neptune_fusion.transform.derivative import partial
-from neptune_fusion.transform.inline import inline_into
+from neptune_fusion.transform.inline import inline_elementwise_into
 from neptune_fusion.transform.normaliser import save_log_normalisers
 
 PASS = "differentiate"
@@ -507,12 +507,6 @@ def _stabiliser_is_free(program: Program, stabiliser: Stage) -> bool:
     values = symbolic.ValueSymbols()
     factors: dict[str, object] = {}  # moving sum -> d(value)/d(epsilon) / value
 
-    def inlined(expr: Expr) -> Expr:
-        while names := loads_of(expr) & set(elementwise):
-            for name in names:
-                expr = inline_into(expr, elementwise[name])
-        return expr
-
     def rate(load: Load) -> object:
         if load.buffer == stabiliser.name:
             return symbolic.number(1)
@@ -540,7 +534,7 @@ def _stabiliser_is_free(program: Program, stabiliser: Stage) -> bool:
         return out
 
     for st in stages[stages.index(stabiliser) + 1:]:
-        body = inlined(st.body.body if isinstance(st.body, Reduce) else st.body)
+        body = inline_elementwise_into(st.body.body if isinstance(st.body, Reduce) else st.body, elementwise)
         if not any(n.buffer == stabiliser.name or n.buffer in factors for n in walk(body) if isinstance(n, Load)):
             continue
         found = branches(body)

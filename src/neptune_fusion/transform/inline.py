@@ -12,9 +12,9 @@ Example:
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Mapping
 
-from neptune_fusion.ir.expr import Expr, Index, Load, substitute_index, transform_bottom_up
+from neptune_fusion.ir.expr import Expr, Index, Load, loads_of, substitute_index, transform_bottom_up
 from neptune_fusion.ir.program import FusedLoop, Node, Program, Stage
 
 
@@ -27,6 +27,24 @@ def inline_into(expr: Expr, stage: Stage) -> Expr:
         return None
 
     return transform_bottom_up(expr, rule)
+
+
+def inline_elementwise_into(expr: Expr, stages: Mapping[str, Stage]) -> Expr:
+    """`expr` with every element-wise stage of `stages` it reads inlined, recursively (the
+    reductions it reads stay loads).
+
+    Example:
+        >>> import torch
+        >>> from neptune_fusion.ir.printer import format_expr
+        >>> from neptune_fusion.library import softmax
+        >>> prog = softmax.trace(torch.randn(4, 8))
+        >>> format_expr(inline_elementwise_into(prog.stage("sum0").body, {st.name: st for st in prog.stages}))
+        'sum[a1](exp(x[a0, a1] - max0[a0]))'
+    """
+    while names := sorted(n for n in loads_of(expr) if n in stages and stages[n].reduce_op is None):
+        for name in names:
+            expr = inline_into(expr, stages[name])
+    return expr
 
 
 def _rewrite_node(node: Node, stage: Stage) -> Node:

@@ -30,6 +30,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from neptune_fusion.algebra import symbolic
+from neptune_fusion.analysis.chains import transitive_reads
 from neptune_fusion.ir.expr import (
     Binary,
     Cast,
@@ -46,7 +47,7 @@ from neptune_fusion.ir.expr import (
     walk,
 )
 from neptune_fusion.ir.program import InputBuffer, OutputSpec, Program, Stage, axis_sources
-from neptune_fusion.transform.inline import inline_into
+from neptune_fusion.transform.inline import inline_elementwise_into
 
 if TYPE_CHECKING:
     from neptune_fusion.transform.grad import Gradient
@@ -58,33 +59,9 @@ def save_log_normalisers(gradient: Gradient, program: Program) -> Gradient:
     """`gradient` (of `program`) with each foldable (stabiliser, sum) pair saved as one
     log-normaliser (see the module doc)."""
     stages = {st.name: st for st in program.all_stages()}
-    for top, total in _pairs(gradient, stages):
+    for top, total in _pairs(gradient, program, stages):
         gradient = _fold(gradient, program, stages, top, total)
     return gradient
-
-
-def _expand(expr: Expr, stages: dict[str, Stage]) -> Expr:
-    """`expr` with the element-wise stages it reads inlined, recursively."""
-    while True:
-        inner = [stages[n] for n in sorted(loads_of(expr)) if n in stages and stages[n].reduce_op is None]
-        if not inner:
-            return expr
-        for stage in inner:
-            expr = inline_into(expr, stage)
-
-
-def _depends_on(name: str, target: str, stages: dict[str, Stage]) -> bool:
-    pending, seen = [name], set()
-    while pending:
-        stage = stages.get(pending.pop())
-        if stage is None or stage.name in seen:
-            continue
-        seen.add(stage.name)
-        reads = stage.reads()
-        if target in reads:
-            return True
-        pending.extend(reads)
-    return False
 
 
 def _is_log_sum_exp(m: Stage, total: Stage, stages: dict[str, Stage]) -> bool:
@@ -92,10 +69,10 @@ def _is_log_sum_exp(m: Stage, total: Stage, stages: dict[str, Stage]) -> bool:
     if not (isinstance(m.body, Reduce) and isinstance(total.body, Reduce) and m.body.op == "max"
             and total.body.op == "sum" and m.body.axis == total.body.axis and m.axes == total.axes):
         return False
-    summand = _expand(total.body.body, stages)
+    summand = inline_elementwise_into(total.body.body, stages)
     if not (isinstance(summand, Unary) and summand.op == "exp"):
         return False
-    operand = _expand(m.body.body, stages)
+    operand = inline_elementwise_into(m.body.body, stages)
     shifted = Binary("sub", operand, Load(m.name, tuple(map(Index, m.axes))))
     if summand.x == shifted:
         return True
@@ -107,14 +84,14 @@ def _is_log_sum_exp(m: Stage, total: Stage, stages: dict[str, Stage]) -> bool:
     return symbolic.is_zero(symbolic.simplify(lhs - rhs))
 
 
-def _pairs(gradient: Gradient, stages: dict[str, Stage]) -> list[tuple[str, str]]:
+def _pairs(gradient: Gradient, program: Program, stages: dict[str, Stage]) -> list[tuple[str, str]]:
     read = {b.name for b in gradient.backward.inputs}
     pairs: list[tuple[str, str]] = []
     for m in gradient.saved:
         if m not in gradient.free_stabilisers:
             continue
         sums = [s for s in gradient.saved if s != m and s in read and _is_log_sum_exp(stages[m], stages[s], stages)]
-        others = [s for s in gradient.saved if s != m and s not in sums[:1] and _depends_on(s, m, stages)]
+        others = [s for s in gradient.saved if s != m and s not in sums[:1] and m in transitive_reads(program, s)]
         if sums and not others and _conditions_keep(gradient.backward, m, sums[0]):
             pairs.append((m, sums[0]))
     return pairs
