@@ -116,6 +116,25 @@ def test_declines_what_it_cannot_rescale() -> None:
         assert_same(a, b)
 
 
+def rows(seed: int) -> dict[str, torch.Tensor]:
+    """x and v of 6 rows of 7, c one value per row (float64)."""
+    torch.manual_seed(seed)
+    return {"x": torch.randn(6, 7, dtype=torch.float64), "v": torch.randn(6, 7, dtype=torch.float64),
+            "c": torch.randn(6, dtype=torch.float64)}
+
+
+def against_torch(program, args: dict, dense):  # noqa: ANN001, ANN201
+    """(before, after, their gradients) of `program` on `args`, after's gradients checked against
+    torch's autograd of `dense(**leaves)` (the outputs, as torch writes them) with the same seeds."""
+    traced = program.trace(**{n: t.float() for n, t in args.items()})
+    before, after, a, b = before_and_after(traced, args, {}, tuple(args))
+    seeds = [torch.randn(6, dtype=torch.float64), torch.randn(6, dtype=torch.float64)]
+    got = backward_values(after, traced, args, {}, seeds)
+    leaves = {n: t.clone().requires_grad_() for n, t in args.items()}
+    assert_same(got, torch.autograd.grad(dense(**leaves), list(leaves.values()), seeds))
+    return before, after, a, b
+
+
 @nf.program
 def flagged_by_its_max(x, v, c):
     """A softmax-weighted mean, and `c` where the row's max is positive (else 0): the second output
@@ -127,21 +146,16 @@ def flagged_by_its_max(x, v, c):
 
 
 def test_a_flag_of_the_max_keeps_it_saved() -> None:
-    torch.manual_seed(4)
-    x, v, c = torch.randn(6, 7, dtype=torch.float64), torch.randn(6, 7, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
+    args = rows(4)
     # rows whose max is negative but m + log(l) positive: the flag is 0 there (and 1 at m + log(l))
-    x[:3] = -0.1 - 0.4 * torch.rand(3, 7, dtype=torch.float64)
-    args = {"x": x, "v": v, "c": c}
-    traced = flagged_by_its_max.trace(**{n: t.float() for n, t in args.items()})
-    before, after, a, b = before_and_after(traced, args, {}, tuple(args))
+    args["x"][:3] = -0.1 - 0.4 * torch.rand(3, 7, dtype=torch.float64)
+
+    def dense(x, v, c):  # noqa: ANN001, ANN202
+        return (torch.softmax(x, -1) * v).sum(-1), c * (x.max(-1).values > 0).double()
+
+    _, after, a, b = against_torch(flagged_by_its_max, args, dense)
     assert "max0" not in after.free_stabilisers and "lse_max0" not in after.saved
     assert_same(a, b)
-    seeds = [torch.randn(6, dtype=torch.float64), torch.randn(6, dtype=torch.float64)]
-    got = backward_values(after, traced, args, {}, seeds)
-    leaves = {n: t.clone().requires_grad_() for n, t in args.items()}
-    flag = (leaves["x"].max(-1).values > 0).double()
-    outs = ((torch.softmax(leaves["x"], -1) * leaves["v"]).sum(-1), leaves["c"] * flag)
-    assert_same(got, torch.autograd.grad(outs, list(leaves.values()), seeds))
 
 
 @nf.program
@@ -154,19 +168,14 @@ def chosen_by_its_max(x, v, c):
 
 
 def test_a_condition_on_the_max_declines_the_fold() -> None:
-    torch.manual_seed(5)
-    x, v, c = torch.randn(6, 7, dtype=torch.float64), torch.randn(6, 7, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
-    x[:3] = -0.1 - 0.4 * torch.rand(3, 7, dtype=torch.float64)
-    args = {"x": x, "v": v, "c": c}
-    traced = chosen_by_its_max.trace(**{n: t.float() for n, t in args.items()})
-    before, after, a, b = before_and_after(traced, args, {}, tuple(args))
+    args = rows(5)
+    args["x"][:3] = -0.1 - 0.4 * torch.rand(3, 7, dtype=torch.float64)
+
+    def dense(x, v, c):  # noqa: ANN001, ANN202
+        return (torch.softmax(x, -1) * v).sum(-1), torch.where(x.max(-1).values > 0, c, 0.0)
+
+    before, after, _, _ = against_torch(chosen_by_its_max, args, dense)
     assert after == before and "max0" in before.free_stabilisers  # free, but its condition stays
-    seeds = [torch.randn(6, dtype=torch.float64), torch.randn(6, dtype=torch.float64)]
-    got = backward_values(after, traced, args, {}, seeds)
-    leaves = {n: t.clone().requires_grad_() for n, t in args.items()}
-    pooled = (torch.softmax(leaves["x"], -1) * leaves["v"]).sum(-1)
-    chosen = torch.where(leaves["x"].max(-1).values > 0, leaves["c"], 0.0)
-    assert_same(got, torch.autograd.grad((pooled, chosen), list(leaves.values()), seeds))
 
 
 @nf.program
@@ -179,16 +188,12 @@ def chosen_by_its_sum(x, v, c):
 
 
 def test_a_condition_on_the_sum_declines_the_fold() -> None:
-    torch.manual_seed(6)
-    x, v, c = torch.randn(6, 7, dtype=torch.float64), torch.randn(6, 7, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
-    x[:3, 0] += 5.0  # rows dominated by one entry: their sum is below 2
-    args = {"x": x, "v": v, "c": c}
-    traced = chosen_by_its_sum.trace(**{n: t.float() for n, t in args.items()})
-    before, after, a, b = before_and_after(traced, args, {}, tuple(args))
+    args = rows(6)
+    args["x"][:3, 0] += 5.0  # rows dominated by one entry: their sum is below 2
+
+    def dense(x, v, c):  # noqa: ANN001, ANN202
+        e = torch.exp(x - x.max(-1, keepdim=True).values)
+        return (e * v).sum(-1) / e.sum(-1), torch.where(e.sum(-1) > 2.0, c, 0.0)
+
+    before, after, _, _ = against_torch(chosen_by_its_sum, args, dense)
     assert after == before and "max0" in before.free_stabilisers
-    seeds = [torch.randn(6, dtype=torch.float64), torch.randn(6, dtype=torch.float64)]
-    got = backward_values(after, traced, args, {}, seeds)
-    leaves = {n: t.clone().requires_grad_() for n, t in args.items()}
-    e = torch.exp(leaves["x"] - leaves["x"].max(-1, keepdim=True).values)
-    outs = ((e * leaves["v"]).sum(-1) / e.sum(-1), torch.where(e.sum(-1) > 2.0, leaves["c"], 0.0))
-    assert_same(got, torch.autograd.grad(outs, list(leaves.values()), seeds))
