@@ -22,12 +22,15 @@ from neptune_fusion.library import (  # noqa: E402
     linear_cross_entropy,
     linear_logsumexp,
     rmsnorm_matmul,  # noqa: E402
+    softmax_pooling,
 )
 from neptune_fusion.library import logsumexp as logsumexp_rows  # noqa: E402
 from neptune_fusion.library import softmax as softmax_1d  # noqa: E402
 from neptune_fusion.runtime.compiled import Compiled  # noqa: E402
+from neptune_fusion.schedule.auto import choose  # noqa: E402
 from neptune_fusion.schedule.partition import partition, why_apart  # noqa: E402
 from neptune_fusion.schedule.pipeline import fuse  # noqa: E402
+from neptune_fusion.schedule.templates import Auto  # noqa: E402
 from neptune_fusion.schedule.tiles import MAX_WHOLE, choose_tiling  # noqa: E402
 from neptune_fusion.tile.lower import assign_roles  # noqa: E402
 from neptune_fusion.transform.layout import UNIT_ROW, needs_unit_row, with_unit_row  # noqa: E402
@@ -335,3 +338,44 @@ def test_a_norm_read_under_the_other_letter_is_computed_for_it(randn):
     y = x / x.norm(dim=-1, keepdim=True)
     torch.testing.assert_close(fn(x), y @ y.T, rtol=1e-4, atol=1e-4)
     assert len(_kernels(fn)) == 1
+
+
+def _roles(prog, *args):
+    return assign_roles(fuse(prog.trace(*args))[-1].program)
+
+
+def test_streaming_loops_are_told_from_contractions_and_second_passes(randn, randint):
+    """A loop whose loads all carry the row axis streams memory (each element serves one row);
+    attention's keys, a matmul's weight and a vocabulary matrix are shared by a tile's rows, and a
+    softmax's probabilities need a second pass over the row."""
+    x = randn(64, 300)
+    assert _roles(softmax_pooling, x, randn(64, 300)).streams
+    assert _roles(logsumexp_rows, x).streams
+    assert not _roles(softmax_1d, x).streams
+    q = randn(1, 2, 64, 32)
+    assert not _roles(attention, q, q, q, 0.1).streams
+    assert not _roles(linear_logsumexp, randn(64, 32), randn(600, 32)).streams
+    assert not _roles(linear_cross_entropy, randn(64, 32), randn(600, 32), randint(0, 600, 64)).streams
+    assert not _roles(rmsnorm_matmul, randn(64, 600), randn(600, 640)).streams
+
+
+def test_streaming_plans_take_many_small_programs():
+    """For the GPU: a streaming loop gets 16 x 128 tiles, 4 warps (1024 programs over 16384
+    rows), where a contraction keeps 128-row tiles; few rows still split the loop."""
+    common = dict(cols=8192, batch=1, full_sizes={}, num_sms=132, interpreter=False)
+    stream = choose(Auto(), rows=16384, dtype="f16", streams=True, **common)
+    assert (stream.block_row, stream.block_col, stream.num_warps, stream.splits) == (16, 128, 4, 1)
+    shared = choose(Auto(), rows=16384, dtype="f16", **{**common, "full_sizes": {"d": 128}})
+    assert shared.block_row == 128
+    few = choose(Auto(), rows=64, dtype="f16", streams=True, **common)
+    assert few.splits > 1 and few.block_row == 16 and few.block_col == 128
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_streaming_tile_shapes_run_correctly(dtype, randn):
+    """The GPU's streaming tile shapes (16 rows x 256 columns, 4 warps) under the interpreter, with
+    ragged rows and columns; and split over the columns."""
+    args = (randn(40, 700), randn(40, 700))
+    _check(softmax_pooling, args, dtype, schedule=nf.flash(block_q=16, block_k=256, num_warps=4, num_stages=2))
+    _check(softmax_pooling, args, dtype, schedule=nf.split_k(splits=2, block_q=16, block_k=256, num_warps=4))
+    _check(softmax_1d, (randn(40, 700),), dtype, schedule=nf.flash(block_q=16, block_k=256, num_warps=4))

@@ -33,6 +33,7 @@ from triton.runtime.errors import OutOfResources, PTXASError
 from neptune_fusion.algebra.repair import contribution_vanishes
 from neptune_fusion.analysis.masks import MaskInfo, analyze_masks
 from neptune_fusion.codegen.gluon_source import GLUON_LOOP_TILES, consumer_registers, generate_gluon, gluon_support
+from neptune_fusion.codegen.gluon_source import ROW_BLOCK as GLUON_ROW_BLOCK
 from neptune_fusion.codegen.triton_source import generate
 from neptune_fusion.ir.errors import FusionError
 from neptune_fusion.ir.expr import free_axes
@@ -520,7 +521,8 @@ class Compiled:
             def plan_for(programs_per_row_tile: int) -> Plan:
                 return choose(self.schedule, rows=sizes[roles.row], cols=sizes[roles.col],
                               batch=batch * programs_per_row_tile, full_sizes=full_sizes, dtype=main_dtype,
-                              num_sms=_num_sms(device), interpreter=interpreter, block_mapped=use_block_map)
+                              num_sms=_num_sms(device), interpreter=interpreter, block_mapped=use_block_map,
+                              streams=roles.streams)
 
             plan = plan_for(1)
             # the tiles of grid-tiled axes are programs too: split-K only where all of them leave the
@@ -598,7 +600,8 @@ class Compiled:
                 # positive normaliser, does not carry over to the merge): one pass per row tile instead
                 flash = choose(Flash(), rows=sizes[roles.row], cols=sizes[roles.col], batch=batch,
                                full_sizes=full_sizes, dtype=main_dtype, num_sms=_num_sms(device),
-                               interpreter=interpreter, block_mapped=use_block_map)
+                               interpreter=interpreter, block_mapped=use_block_map,
+                               streams=roles.streams)
                 exe = self.executable_for(program, args, flash, options)
                 self._cache[key] = exe
                 return exe
@@ -633,7 +636,8 @@ class Compiled:
             gluon_tile = lower(fused, replace(config, tma_buffers=all_tma, notes=[]), name)
             reason = gluon_support(gluon_tile)
             narrower = plan.block_col // 2
-            if (reason is not None and narrower in GLUON_LOOP_TILES and options.backend != "triton"
+            if (reason is not None and narrower in GLUON_LOOP_TILES and plan.block_col in GLUON_LOOP_TILES
+                    and plan.block_row == GLUON_ROW_BLOCK and options.backend != "triton"
                     and consumer_registers(gluon_tile) > HOPPER_REGISTERS):
                 # a consumer's work tiles shrink with the loop tile while its carried state does not:
                 # the warp-specialised kernel at half the width before Triton's at any (Triton holds

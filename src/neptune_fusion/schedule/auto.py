@@ -24,6 +24,11 @@ TILED_HELD = 128  # width of the tile an axis longer than MAX_WHOLE is held in (
 # what the compiler keeps for itself and for the row operands)
 SHARED_BYTES = 200 * 1024
 
+# a loop that streams memory: each thread of its 4 warps holds this many elements of each loaded
+# tile (16-bit: two 16-byte vectors), so that many programs share a multiprocessor
+STREAM_THREAD_ELEMENTS = 16
+STREAM_ROWS = 16  # the fewest rows a tile is laid out with
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -46,12 +51,20 @@ def _pow2_at_least(n: int, lo: int = 16) -> int:
 
 
 def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: dict[str, int], dtype: str,
-           num_sms: int, interpreter: bool, block_mapped: bool = False) -> Plan:
+           num_sms: int, interpreter: bool, block_mapped: bool = False, streams: bool = False) -> Plan:
     """Resolve `schedule` for these sizes (rows: tiled axis, cols: reduced axis, batch: programs per row tile).
 
     `block_mapped`: tiles are visited from a run-time block map (under split-K each split takes a
     share of each row tile's list), which gains from narrower key tiles: a partly visible tile wastes
-    less.
+    less. `streams` (`AxisRoles.streams`): each loaded element serves one row, so more rows per
+    program only make fewer programs: the tiles are small and many programs share each
+    multiprocessor, which keeps more loads in flight.
+
+    Example:
+        >>> pooling = choose(Auto(), rows=16384, cols=8192, batch=1, full_sizes={}, dtype="f16", num_sms=132,
+        ...                  interpreter=False, streams=True)
+        >>> (pooling.block_row, pooling.block_col, pooling.num_warps)
+        (16, 128, 4)
     """
     if isinstance(schedule, Autotune):
         schedule = schedule.base
@@ -72,6 +85,12 @@ def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: 
             block_col = min(block_col, 64)
         warps = 8 if block_row >= 128 else 4
         stages = 3 if head <= 128 else 2
+        if streams:
+            held_elems = math.prod(held.values())
+            warps, stages = 4, 2
+            tile = STREAM_THREAD_ELEMENTS * 32 * warps
+            block_col = max(16, min(_pow2_at_least(cols), tile // (STREAM_ROWS * held_elems)))
+            block_row = min(_pow2_at_least(rows), max(STREAM_ROWS, tile // (block_col * held_elems)))
     splits = 1
     prefetch = False
     programs = math.ceil(rows / block_row) * batch
@@ -79,7 +98,7 @@ def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: 
         splits = schedule.splits or 0
     elif isinstance(schedule, Auto):
         splits = 0 if programs < num_sms and cols >= 4 * block_col else 1
-    if splits != 1 and rows <= MMA_ROWS:
+    if splits != 1 and rows <= MMA_ROWS and not streams:
         # memory-bound (one row tile of at most one warpgroup's MMA rows: each loaded element
         # feeds few products, and no other row tile reads it): 64-wide key tiles, 4 warps, 2 stages
         # keep the most bytes in flight per multiprocessor, whether the split count is given or
@@ -116,7 +135,8 @@ def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: 
         stages = schedule.num_stages or stages
         if schedule.prefetch_dot is not None:
             prefetch = schedule.prefetch_dot
-    if splits > 1 and not interpreter and not (isinstance(schedule, (Flash, SplitK)) and schedule.block_q):
+    if (splits > 1 and not interpreter and not streams
+            and not (isinstance(schedule, (Flash, SplitK)) and schedule.block_q)):
         block_row = _pow2_at_least(rows) if rows <= 64 else block_row
     return Plan(block_row, block_col, warps, stages, splits, prefetch)
 

@@ -89,6 +89,10 @@ class AxisRoles:
     batch: tuple[str, ...]
     full: tuple[str, ...]
     epilogue: tuple[str, ...] = ()  # axes only outputs have (a split-K combine's second pass)
+    # the loop streams memory: its rows share no loaded tile (`rows_share_loads`), so each loaded
+    # element serves one row, and no output is indexed by the loop axis (a second pass would read
+    # the rows again)
+    streams: bool = False
 
     @property
     def tile_axes(self) -> tuple[str, ...]:
@@ -176,7 +180,33 @@ def assign_roles(program: Program) -> AxisRoles:
         if loop.axis in m.axes:
             raise UnsupportedProgramError("tile lowering", m.name, f"{m.reduce_op} over {loop.axis}",
                                           "a member of the loop is indexed by the loop axis")
-    return AxisRoles(row, loop.axis, tuple(batch), tuple(full), tuple(epilogue))
+    second_pass = any(loop.axis in program.stage(spec.stage).axes for spec in program.outputs)
+    streams = not second_pass and not rows_share_loads(loop.members, row, loop.axis, set(full))
+    return AxisRoles(row, loop.axis, tuple(batch), tuple(full), tuple(epilogue), streams)
+
+
+def rows_share_loads(members: tuple[Stage, ...], row: str, col: str, held: set[str]) -> bool:
+    """Whether a member reads, along the loop axis `col`, a tile without the `row` axis that
+    carries an axis held in the tile: such a tile is loaded once for all the rows of a program.
+    A vector along the loop (a bias over the keys) is not counted: it costs little beside the rest.
+
+    Example:
+        >>> x, v = Load("x", (Index("i"), Index("j"))), Load("v", (Index("i"), Index("j")))
+        >>> pooled = Stage("s", ("i",), Reduce("sum", "j", Binary("mul", x, v)))
+        >>> rows_share_loads((pooled,), "i", "j", set())
+        False
+        >>> q, k = Load("q", (Index("i"), Index("d"))), Load("k", (Index("j"), Index("d")))
+        >>> scores = Stage("s", ("i", "j"), Reduce("sum", "d", Binary("mul", q, k)))
+        >>> rows_share_loads((scores,), "i", "j", {"d"})
+        True
+    """
+    for m in members:
+        for node in walk(m.body):
+            if isinstance(node, Load):
+                axes = free_axes(node)
+                if col in axes and row not in axes and axes & held:
+                    return True
+    return False
 
 
 def reused_operand_axes(members: tuple[Stage, ...]) -> set[str]:
