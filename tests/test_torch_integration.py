@@ -266,6 +266,52 @@ def test_a_captured_tensor_relaid_in_place_is_seen(attn_inputs):
                                    dense(q, k, v, 0.25, score=lambda s: s * scale[:, None, None]), atol=2e-5, rtol=1e-4)
 
 
+def test_repeated_calls_with_the_same_mods_and_other_tensors(attn_inputs, monkeypatch):
+    """A repeated eager call is found by its mods and flags alone (`_lean`): calls alternating
+    between shapes, flags or a dtype, new tensors each time, an input that requires grad, and a
+    key-padding mask relaid as a view each give what a first call gives."""
+    from neptune_fusion.integrations.attention import _FastCall
+
+    hits = []
+    again = _FastCall.again
+    monkeypatch.setattr(_FastCall, "again", lambda *a: hits.append(again(*a)) or hits[-1])
+    shapes = [(1, H, 24, 24, 16), (2, H, 1, 40, 16), (1, H, 24, 24, 16)]
+    scale = torch.linspace(0.5, 2.0, H)
+
+    def scaled(score, b, h, q_idx, kv_idx):
+        return score * scale[h]
+
+    for _ in range(3):
+        for shape in shapes:
+            q, k, v = attn_inputs(*shape)
+            want = dense(q, k, v, 0.25, score=lambda s: s * scale[:, None, None])
+            torch.testing.assert_close(nf.attention(q, k, v, score_mod=scaled), want, atol=2e-5, rtol=1e-4)
+            out, lse = nf.attention(q, k, v, score_mod=scaled, return_lse=True)
+            torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
+            assert lse.shape == q.shape[:3] and lse.dtype == torch.float32
+            got = nf.attention(q.half(), k.half(), v.half(), score_mod=scaled)
+            assert got.dtype == torch.float16
+            torch.testing.assert_close(got.float(), want.float(), atol=2e-3, rtol=2e-3)
+    assert sum(h is not None for h in hits) >= 3 * len(shapes)  # the last round's calls took it
+    q, k, v = attn_inputs(1, H, 24, 24, 16)
+    q.requires_grad_(True)
+    out = nf.attention(q, k, v, score_mod=scaled)
+    assert out.grad_fn is not None
+    out.sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+    q, k, v = attn_inputs(2, H, 8, 32, 16)
+    padding = torch.rand(2, 64) > 0.3
+    padding[:, 0] = True
+    for pad in (padding[:, :32].contiguous(), padding[:, :32].contiguous(), padding[:, ::2], padding[:, ::2]):
+        keep = pad[:, None, None, :] & (torch.arange(32) <= torch.arange(8)[:, None] + 24)
+        torch.testing.assert_close(attend(q, k, v, causal=True, key_padding=pad), dense(q, k, v, 0.25, keep=keep),
+                                   atol=2e-5, rtol=1e-4)
+    for _ in range(2):
+        attend(q, k, v, causal=True, window=1)
+    with pytest.raises(ValueError, match="window"):
+        attend(q, k, v, causal=True, window=True)
+
+
 def lengths_mask_mod(lengths: torch.Tensor):
     def by_length(b, h, q_idx, kv_idx):
         return kv_idx < lengths[b]

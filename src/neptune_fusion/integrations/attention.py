@@ -452,6 +452,7 @@ def clear_cache() -> None:
     _programs.clear()
     _compiled.clear()
     _fast.clear()
+    _lean.clear()
 
 
 def _remember(cache: OrderedDict[Any, Any], key: Any, value: Any, limit: int) -> None:
@@ -633,8 +634,9 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: _Request, e
     entry = _programs.get(call.struct)
     if fast_key is not None and isinstance(entry, _Traced):  # not for entries keyed by tensor identity too
         assert keyed is not None
-        _remember(_fast, fast_key, _FastCall(request, keyed, run, scale, tuple(entry.sources), checks=found is None),
-                  _MAX_COMPILED)
+        layouts = (tensor_layout(q), tensor_layout(k), tensor_layout(v), *map(tensor_layout, extras))
+        _remember(_fast, fast_key, _FastCall(request, keyed, run, scale, tuple(entry.sources), checks=found is None,
+                                             layouts=layouts), _MAX_COMPILED)
     return result if isinstance(result, tuple) else (result,)
 
 
@@ -646,13 +648,14 @@ class _FastCall:
     tensors explicitly and keys their layouts."""
 
     def __init__(self, request: _Request, keyed: tuple[Any, _Walk], run: Callable[[Sequence[Any]], Any],
-                 scale: float, sources: tuple[int, ...], checks: bool) -> None:
+                 scale: float, sources: tuple[int, ...], checks: bool, layouts: tuple[Any, ...] = ()) -> None:
         self.request = request
         self.fns, self.walk = keyed
         self.run = run  # the compiled launcher for exactly these argument layouts
         self.scale = scale
         self.sources = sources
         self.checks = checks
+        self.layouts = layouts  # of q, k, v and the extras (eager calls)
 
     def valid(self, request: _Request) -> bool:
         return (self.request.score_mod is request.score_mod and self.request.mask_mod is request.mask_mod
@@ -666,8 +669,55 @@ class _FastCall:
         result = self.run(args)
         return result if isinstance(result, tuple) else (result,)
 
+    def again(self, q: Any, k: Any, v: Any, extras: tuple[torch.Tensor, ...]) -> Any:
+        """The launcher's result (the output, or a tuple with the statistics) for an eager call
+        whose arguments other than tensors are those of the call that made this entry (`_lean`
+        keys them), or None where anything `_call` would check differs: tensor layouts, grad,
+        what the mods read."""
+        if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+            return None
+        layouts = self.layouts
+        if (tensor_layout(q) != layouts[0] or tensor_layout(k) != layouts[1] or tensor_layout(v) != layouts[2]
+                or (extras and tuple(map(tensor_layout, extras)) != layouts[3:])):
+            return None
+        found = self.walk.tensors
+        if torch.is_grad_enabled() and _needs_grad([q, k, v, *found, *extras]):
+            return None
+        if self.checks and not _unchanged(self.walk.reads):
+            return None
+        args: list[Any] = [q, k, v, self.scale]
+        if self.sources:
+            found = [*found, *extras]
+            for pos in self.sources:
+                t = found[pos]
+                args.append(t if t.device == q.device else scalar_on_device(t, q.device))
+        return self.run(args)
+
 
 _fast: OrderedDict[Any, _FastCall] = OrderedDict()
+# eager calls by their arguments other than tensors (the mods by identity: an entry holds them), so
+# a repeated call skips building its request and its full key; a few entries per key, newest
+# first, for calls with the same mods at other shapes (prefill and decode, two layer sizes)
+_lean: OrderedDict[Any, tuple[_FastCall, ...]] = OrderedDict()
+_LEAN_PER_KEY = 4
+
+
+def _lean_hit(lean_key: Any, q: Any, k: Any, v: Any, extras: tuple[torch.Tensor, ...], score_mod: Any, mask_mod: Any,
+              schedule: Any) -> Any:
+    """The result of the call through a `_lean` entry, or None (the caller takes the full path)."""
+    for hit in _lean.get(lean_key, ()):
+        request = hit.request
+        if request.score_mod is score_mod and request.mask_mod is mask_mod and request.schedule is schedule:
+            result = hit.again(q, k, v, extras)
+            if result is not None:
+                return result
+    return None
+
+
+def _lean_remember(lean_key: Any, hit: _FastCall) -> None:
+    entries = _lean.get(lean_key, ())
+    if hit.layouts and (not entries or entries[0] is not hit):
+        _remember(_lean, lean_key, (hit, *(e for e in entries if e is not hit))[:_LEAN_PER_KEY], _MAX_COMPILED)
 
 
 # --------------------------------------------------------------------------- torch.compile
@@ -908,8 +958,16 @@ def _block_builtins(block_mask: Any, mask_mod: Any, q: torch.Tensor, k: torch.Te
     return tables.mask_mod, (tables.q_block, tables.kv_block, tables.full is not None), extras
 
 
+def _lean_key(score_mod: Any, mask_mod: Any, flags: tuple[Any, ...], schedule: Any, scale: Any) -> Any:
+    """`_lean`'s key of an eager call (None: the call is not one it keys): the mods and the
+    schedule by identity, the flags and a float scale by value."""
+    if scale is not None and type(scale) is not float:
+        return None
+    return (id(score_mod), id(mask_mod), flags, id(schedule), scale)
+
+
 def _call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: _Request, extras: tuple[torch.Tensor, ...],
-          scale: float | None) -> tuple[torch.Tensor, ...]:
+          scale: float | None, lean_key: Any = None) -> tuple[torch.Tensor, ...]:
     if torch.compiler.is_compiling():
         for t in (q, k, v):  # heads and head dim fixed, as FlexAttention marks them: kernels specialise on them
             torch._dynamo.mark_static(t, -3)
@@ -924,6 +982,8 @@ def _call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: _Request, 
                 tensor_layout(v), *map(tensor_layout, extras))
     hit = _fast.get(fast_key)
     if hit is not None and hit.valid(request) and not (torch.is_grad_enabled() and _needs_grad([q, k, v, *hit.walk.tensors])):
+        if lean_key is not None:
+            _lean_remember(lean_key, hit)
         return hit.launch(q, k, v, [*hit.walk.tensors, *extras])
     groups, checked = _check_inputs(q, k, v, request.score_mod, scale, request.enable_gqa)
     return _run(q, k, v, request, extras, checked, groups, fast_key=fast_key)
@@ -972,10 +1032,16 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score
         >>> tuple(out.shape)
         (1, 8, 16, 16)
     """
+    lean_key = None
+    if block_mask is None and kernel_options is None and return_aux is None and not torch.compiler.is_compiling():
+        lean_key = _lean_key(score_mod, mask_mod, (bool(enable_gqa), bool(return_lse)), schedule, scale)
+        result = _lean_hit(lean_key, query, key, value, (), score_mod, mask_mod, schedule)
+        if result is not None:  # the output, or (output, lse): what this function returns
+            return result
     outputs = _outputs_of(return_lse, return_aux)
     request, extras = _request(query, key, score_mod, block_mask, mask_mod, enable_gqa, outputs,
                                _schedule_from(kernel_options, schedule))
-    out, *stats = _call(query, key, value, request, extras, scale)
+    out, *stats = _call(query, key, value, request, extras, scale, lean_key)
     if return_aux is not None:
         lse = stats.pop(0) if outputs.lse else None
         return out, AuxOutput(lse=lse, max_scores=stats.pop(0) if outputs.max_scores else None)
@@ -1000,6 +1066,15 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, scale
         >>> tuple(attend(q, k, v, causal=True, window=4, softcap=30.0).shape)
         (1, 2, 8, 16)
     """
+    lean_key = None
+    if not torch.compiler.is_compiling():
+        flags = ("attend", bool(enable_gqa), bool(return_lse), bool(causal), (type(window), window),
+                 (type(softcap), softcap), key_padding is None)
+        lean_key = _lean_key(None, None, flags, schedule, scale)
+        result = _lean_hit(lean_key, query, key, value, () if key_padding is None else (key_padding,), None, None,
+                           schedule)
+        if result is not None:
+            return result
     if window is not None:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"window must be a positive int, got {window!r}")
@@ -1019,7 +1094,7 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, scale
         extras = (key_padding,)
     builtins = Builtins(bool(causal), window, softcap, key_padding is not None)
     request = _Request(None, None, builtins, Outputs(lse=bool(return_lse)), bool(enable_gqa), schedule)
-    out, *stats = _call(query, key, value, request, extras, scale)
+    out, *stats = _call(query, key, value, request, extras, scale, lean_key)
     return (out, stats[0]) if return_lse else out
 
 

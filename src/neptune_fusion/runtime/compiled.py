@@ -869,7 +869,7 @@ class Compiled:
             return self._scratch[scratch_key]
 
         def run(values: Sequence[Any]) -> Any:
-            slots = [*values, *(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in allocs)]
+            slots = [*values, *[torch.empty(shape, dtype=dtype, device=device) for shape, dtype in allocs]]
             if scratch:  # per call where no state may outlive it (private_state), else kept
                 slots.extend((_fresh_scratch(scratch, device) if CALL_STATE.private else kept_scratch()).values())
             if masks is not None:
@@ -986,7 +986,7 @@ class _FastLaunch:
         stream = torch._C._cuda_getCurrentRawStream(self.device)
         enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
         gx, gy, gz = self.grid
-        if self.direct is not None and not _hooked(enter) and not _hooked(leave):
+        if self.direct is not None and (enter is None or not _hooked(enter)) and (leave is None or not _hooked(leave)):
             self.direct(gx, gy, gz, stream, k.function, self.cooperative, self.pdl, None, None, k.packed_metadata,
                         None, None, None, *self.bind_addresses(slots))
             return
