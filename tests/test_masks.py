@@ -209,3 +209,26 @@ def test_block_map_takes_one_axis_conjuncts_apart_and_keeps_the_mask_cached(monk
     assert shapes and all(s[-2:] != (96, 96) for s in shapes), shapes
     visible = (doc[:, None] == doc[None, :]) & keep[:, None, :]
     torch.testing.assert_close(out, _table_attention(q, k, v, visible[None]))
+
+
+@pytest.mark.parametrize("lengths", [(1, 1), (3, 1), (1, 2), (5, 37)])
+@pytest.mark.parametrize("by_block_mask", [False, True], ids=["mask_mod", "block_mask"])
+def test_a_tile_past_the_last_key_is_never_full(lengths, by_block_mask):
+    """A full tile is read without bounds checks, so the key tile that runs past the end is at
+    most partial: also at one key, where the visibility has extent 1 along the keys (read as a
+    broadcast, it made that tile full and the kernel read past the keys)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    lq, lk = lengths
+    torch.manual_seed(lq * 100 + lk)
+    q, k, v = torch.randn(1, 2, lq, 16), torch.randn(1, 2, lk, 16), torch.randn(1, 2, lk, 16)
+    kv_doc = torch.randint(0, 2, (lk,))
+    q_doc = kv_doc[torch.arange(lq).clamp(max=lk - 1)]
+
+    def document(b, h, q_idx, kv_idx):
+        return q_doc[q_idx] == kv_doc[kv_idx]
+
+    mask = create_block_mask(document, None, None, lq, lk, device="cpu") if by_block_mask else None
+    out = nf.attention(q, k, v, block_mask=mask, mask_mod=None if by_block_mask else document)
+    s = (q @ k.transpose(-1, -2) * 0.25).masked_fill(q_doc[:, None] != kv_doc[None, :], -math.inf)
+    torch.testing.assert_close(out, torch.softmax(s, -1).nan_to_num(0.0) @ v, atol=2e-5, rtol=1e-4)

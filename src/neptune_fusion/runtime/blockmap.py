@@ -145,6 +145,10 @@ def block_map(program: Program, masks: MaskInfo, roles: AxisRoles, sizes: dict[s
                 _store(dense_key, dense_tensors, found)
         any_vis &= found[0]
         all_vis &= found[1]
+    if cols % block_col:
+        # a full tile is read without bounds checks: one running past the last column is at most
+        # partial, whatever the conditions (one of extent 1 along the columns reads as broadcast)
+        all_vis[..., -1] = False
     partial = any_vis & ~all_vis
     out: dict[str, torch.Tensor] = {}
     for kind, sel in (("full", all_vis), ("partial", partial)):
