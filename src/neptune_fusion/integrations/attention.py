@@ -1016,9 +1016,10 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score
     (B, Hq, Lq) in float32; with `return_aux=AuxRequest(lse=..., max_scores=...)` the output and
     an `AuxOutput`. `kernel_options` keys BLOCK_M, BLOCK_N, num_warps and num_stages set the
     schedule; others are ignored with a warning. `schedule` (nf.flash(), nf.split_k(), ...)
-    overrides the template chosen from the shapes. No backward yet: inputs that require grad
-    (in grad mode) raise a RuntimeError. Works inside `torch.compile(fullgraph=True)`, for mods
-    defined outside the compiled function.
+    overrides the template chosen from the shapes. Where q, k, v or a tensor the mods capture
+    requires grad (in grad mode), the call records the backward the compiler derives
+    (integrations/autograd.py); `create_graph=True` raises. Works inside
+    `torch.compile(fullgraph=True)`, for mods defined outside the compiled function.
 
     Example:
         >>> import torch, neptune_fusion as nf

@@ -21,7 +21,7 @@ tracing only: under torch.compile the overlays are still refused and chunked att
 refused from the config, but packed sequences (position_ids restarting inside a row, no
 attention_mask, no cache) are not seen and would run as plain causal attention: pass an
 attention_mask when compiling such inputs. `output_attentions=True` warns and returns no
-weights, as transformers' sdpa does. No backward yet (inference only).
+weights, as transformers' sdpa does. Training runs the derived backward (README, Training).
 
 What the mask function returns (the model hands it to every layer as `attention_mask`):
 - `None` when no key is masked beyond the causal/window pattern;
