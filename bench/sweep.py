@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -478,7 +479,10 @@ def benchmark_plans() -> list[dict[str, Any]]:
                     named = dict(fn.program_def.bind(q, k, v, torch.ones(hq), 1 / math.sqrt(128)))
                     exe = fn.executable_for(fn.program_def.trace(**named), named)
                 tile = exe.main.tile
+                # byte-identical kernels before and after a change: a timing ratio between them is noise
+                sources = "".join(k.source for k in (exe.main, exe.combine) if k is not None)
                 out.append({"op": op, "seq": seq, "plan": asdict(exe.plan), "backend": exe.main.backend,
+                            "source_sha1": hashlib.sha1(sources.encode()).hexdigest()[:16],
                             "kernel": {"blocks": {k: v for k, v in tile.constexprs.items() if k.startswith("BLOCK")},
                                        "warps": tile.num_warps, "stages": tile.num_stages}})
     return out
