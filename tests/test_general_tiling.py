@@ -81,24 +81,37 @@ def test_tiling_decisions_come_from_sizes_and_uses(randn):
     assert tiled.block("d") <= 64 and tiled.block("d2") <= 128
 
 
+def _group_tiles(fn: Compiled) -> list[list]:
+    """Per kernel group of a partitioned program's executable: its kernels' tiles."""
+    exe = next(e for e in fn._cache.values() if e.groups)
+    return [[k.tile for k in (g.main, g.combine) if k is not None] for _, g in exe.groups]
+
+
+def _has_dot(tile) -> bool:
+    return any(op.kind == "dot" for op in _walk_ops(tile.body))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("prog", [rmsnorm_matmul, layernorm_matmul], ids=["rmsnorm", "layernorm"])
 def test_norm_then_matmul_with_long_axes(prog, dtype, randn):
-    """(x normalised over k) @ W with k and the output axis e both above 512: e across the grid."""
-    fn = _check(prog, (randn(16, 576), randn(576, 640, scale=0.05)), dtype)
-    main = _kernels(fn)[0].tile
-    assert main.tiled_axes == ("e",)
-    assert any("tiled across the grid" in n for n in main.notes)
+    """(x normalised over k) @ W with k and the output axis e both above 512: under every tile of
+    e the norm's statistics would be computed again, so a first kernel streams them over x once
+    and a second one is the matmul, reading them."""
+    x, w = randn(16, 576), randn(576, 640, scale=0.05)
+    fn = _check(prog, (x, w), dtype)
+    stats, matmul = _group_tiles(fn)  # (the statistics' kernel may be split over k, with its combine)
+    assert not any(map(_has_dot, stats)) and _has_dot(matmul[0])
+    assert "lack the axis ['e']" in why_apart(prog.trace(x, w), frozenset({"k", "e"}))
+    assert len(partition(prog.trace(x, w), frozenset())) == 1  # short axes: one kernel, as before
 
 
 @pytest.mark.parametrize("schedule", [nf.flash(), nf.split_k(splits=3)], ids=["flash", "split_k"])
 def test_norm_then_matmul_one_pass_or_split(schedule, randn):
-    """The same with each template: the grid tiles rows and e; under split-K the combine's grid
-    tiles e too."""
+    """The same with each template; under split-K the matmul's kernel gets its combine."""
     fn = _check(rmsnorm_matmul, (randn(40, 600), randn(600, 700, scale=0.05)), schedule=schedule)
-    kernels = _kernels(fn)
-    assert len(kernels) == (2 if isinstance(schedule, nf.SplitK) else 1)
-    assert all(k.tile.tiled_axes == ("e",) for k in kernels)
+    groups = _group_tiles(fn)
+    assert len(groups) == 2 and _has_dot(groups[1][0])
+    assert len(groups[1]) == (2 if isinstance(schedule, nf.SplitK) else 1)
 
 
 def test_batched_norm_then_matmul_and_narrowed_grid_tiles(randn):

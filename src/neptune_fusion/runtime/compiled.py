@@ -48,7 +48,7 @@ from neptune_fusion.schedule.auto import Plan, choose, fit
 from neptune_fusion.schedule.partition import Group, partition
 from neptune_fusion.schedule.pipeline import SPLIT_AXIS, Step, combine_program, fuse, with_split_k
 from neptune_fusion.schedule.templates import Auto, Autotune, Flash, Schedule, SplitK
-from neptune_fusion.schedule.tiles import AxisTiling, check_fits, choose_tiling, grid_tiles
+from neptune_fusion.schedule.tiles import MAX_WHOLE, AxisTiling, check_fits, choose_tiling, grid_tiles
 from neptune_fusion.tile.ir import TileKernel
 from neptune_fusion.tile.lower import (
     BLOCK_MAP_PREFIX,
@@ -220,15 +220,20 @@ def _fuse_cached(program: Program, splits: int) -> tuple[Step, ...]:
     return _FUSED[key]
 
 
-_PARTS: dict[str, list[Group]] = {}
+_PARTS: dict[tuple[str, frozenset[str]], list[Group]] = {}
 
 
-def _partition_cached(program: Program) -> list[Group]:
-    """`partition(program)`, cached by fingerprint (like `_fuse_cached`)."""
-    key = program.fingerprint()
+def _partition_cached(program: Program, long_axes: frozenset[str] = frozenset()) -> list[Group]:
+    """`partition(program, long_axes)`, cached by fingerprint (like `_fuse_cached`) and the long axes."""
+    key = (program.fingerprint(), long_axes)
     if key not in _PARTS:
-        _PARTS[key] = partition(program)
+        _PARTS[key] = partition(program, long_axes)
     return _PARTS[key]
+
+
+def _long_axes(program: Program, args: dict[str, Any]) -> frozenset[str]:
+    """The axes longer than a tile holds whole at these arguments' sizes (schedule/tiles.py)."""
+    return frozenset(a for a, n in axis_extents(program, args).items() if n > MAX_WHOLE)
 
 
 _MASKS: dict[tuple[str, str], MaskInfo] = {}
@@ -503,7 +508,7 @@ class Compiled:
         options = options or self.options or Options.from_environment()
         interpreter = options.interpreter
         device = _check_tensors(program, args, interpreter)
-        groups = _partition_cached(program)
+        groups = _partition_cached(program, _long_axes(program, args))
         if len(groups) > 1:
             return self._grouped(program, groups, args, device, options)
         dtypes = {b.name: input_dtype_name(args[b.name].dtype) for b in program.inputs}

@@ -70,9 +70,39 @@ def _apart(program: Program) -> tuple[set[str], str] | None:
     return late, why
 
 
-def partition(program: Program) -> list[Group]:
-    """Groups of `program` that each fit one kernel, in the order they must run."""
-    found = _apart(program)
+def _recomputed_per_tile(program: Program, long_axes: frozenset[str]) -> tuple[set[str], str] | None:
+    """(stages for a later group, why) where a reduction of the main chain lacks an axis that
+    another of its reductions has and that is too long for a tile (`long_axes`, not reduced
+    anywhere): that axis is tiled across the grid (schedule/tiles.py), and every one of its tiles
+    would compute the reduction again (a norm's statistics under each tile of a matmul's output).
+    An earlier kernel computes it once; the reductions reading it follow in a later one."""
+    axis = chain_axis(program)
+    if not long_axes or axis is None or program.loop_axis is not None:
+        return None
+    reductions = _reductions(program)
+    reduced = {st.reduce_axis for st in reductions}
+    chain = [st for st in reductions if st.reduce_axis == axis]
+    tiled = {a for st in chain for a in st.axes if a in long_axes and a not in reduced}
+    seeds = {st.name for st in chain if tiled - set(st.axes)}
+    readers = {st.name: transitive_reads(program, st.name) for st in program.stages if isinstance(st, Stage)}
+    upstream = set().union(*(readers[n] for n in seeds)) if seeds else set()
+    if any(program.stage(n).reduce_op is not None for n in upstream - seeds if n in readers):
+        # it reads a contraction (attention's scores under a softmax's max): the later kernel
+        # computes that again for its own tiles, so an earlier one would add a pass, not save one
+        return None
+    late = {n for n, reads in readers.items() if reads & seeds and n not in seeds and n not in upstream}
+    if not seeds or not any(st.name in late and tiled & set(st.axes) for st in chain):
+        return None
+    why = (f"the reduction(s) {sorted(seeds)} over {axis!r} lack the axis {sorted(tiled)} that the grid tiles: "
+           "computed once in an earlier kernel, not again under every tile of it")
+    return late, why
+
+
+def partition(program: Program, long_axes: frozenset[str] = frozenset()) -> list[Group]:
+    """Groups of `program` that each fit one kernel, in the order they must run. `long_axes`: the
+    axes too long to hold in a tile at the call's sizes (a reduction recomputed under each tile of
+    one of them is computed once, in an earlier group)."""
+    found = _apart(program) or _recomputed_per_tile(program, long_axes)
     if found is None:
         return [Group(program, tuple(f"output:{j}" for j in range(len(program.outputs))))]
     late, _ = found
@@ -81,14 +111,14 @@ def partition(program: Program) -> list[Group]:
         return [Group(program, tuple(f"output:{j}" for j in range(len(program.outputs))))]
     groups: list[Group] = []
     for part in (first, second):
-        for sub in partition(part.program):
+        for sub in partition(part.program, long_axes):
             groups.append(Group(sub.program, tuple(_resolve(r, part) for r in sub.results)))
     return groups
 
 
-def why_apart(program: Program) -> str | None:
+def why_apart(program: Program, long_axes: frozenset[str] = frozenset()) -> str | None:
     """Why `program` needs more than one kernel (None when it does not)."""
-    found = _apart(program)
+    found = _apart(program) or _recomputed_per_tile(program, long_axes)
     return None if found is None else found[1]
 
 
