@@ -372,6 +372,19 @@ def test_streaming_loops_are_told_from_contractions_and_second_passes(randn, ran
     assert not _roles(rmsnorm_matmul, randn(64, 600), randn(600, 640)).streams
 
 
+def test_a_matmul_loop_is_a_k_loop_and_takes_k_steps(randn):
+    """A loop that only sums products of loaded tiles (a matmul) is a K-loop: its tile is a K-step
+    of MAX_K_BLOCK on the GPU; attention's loop computes scores per key first and keeps its tiles."""
+    from neptune_fusion.schedule.tiles import MAX_K_BLOCK
+
+    assert _roles(gram, randn(600, 32)).k_loop  # x x^T: the loop runs over the contracted d
+    q = randn(1, 2, 64, 32)
+    assert not _roles(attention, q, q, q, 0.1).k_loop
+    common = dict(rows=8192, cols=4096, batch=1, full_sizes={"e": 128}, dtype="f16", num_sms=132, interpreter=False)
+    assert choose(Auto(), k_loop=True, **common).block_col == MAX_K_BLOCK
+    assert choose(Auto(), **common).block_col == 128
+
+
 def test_streaming_plans_take_many_small_programs():
     """For the GPU: a streaming loop gets 16 x 128 tiles, 4 warps (1024 programs over 16384
     rows), where a contraction keeps 128-row tiles; few rows still split the loop."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from neptune_fusion.schedule.templates import Auto, Autotune, Flash, Schedule, SplitK
-from neptune_fusion.schedule.tiles import MAX_WHOLE
+from neptune_fusion.schedule.tiles import MAX_K_BLOCK, MAX_WHOLE
 
 MMA_ROWS = 64  # rows of one warpgroup's tensor-core instruction (wgmma)
 TILED_HELD = 128  # width of the tile an axis longer than MAX_WHOLE is held in (at most)
@@ -51,14 +51,17 @@ def _pow2_at_least(n: int, lo: int = 16) -> int:
 
 
 def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: dict[str, int], dtype: str,
-           num_sms: int, interpreter: bool, block_mapped: bool = False, streams: bool = False) -> Plan:
+           num_sms: int, interpreter: bool, block_mapped: bool = False, streams: bool = False,
+           k_loop: bool = False) -> Plan:
     """Resolve `schedule` for these sizes (rows: tiled axis, cols: reduced axis, batch: programs per row tile).
 
     `block_mapped`: tiles are visited from a run-time block map (under split-K each split takes a
     share of each row tile's list), which gains from narrower key tiles: a partly visible tile wastes
     less. `streams` (`AxisRoles.streams`): each loaded element serves one row, so more rows per
     program only make fewer programs: the tiles are small and many programs share each
-    multiprocessor, which keeps more loads in flight.
+    multiprocessor, which keeps more loads in flight. `k_loop` (`AxisRoles.k_loop`): the loop
+    tile is a matmul's K-step, as wide as an inner K-loop's (schedule/tiles.py `MAX_K_BLOCK`): half
+    the shared memory a stage of 128-wide steps takes, so two programs share a multiprocessor.
 
     Example:
         >>> pooling = choose(Auto(), rows=16384, cols=8192, batch=1, full_sizes={}, dtype="f16", num_sms=132,
@@ -83,6 +86,8 @@ def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: 
             block_row, block_col = min(block_row, 64), 32
         if block_mapped:
             block_col = min(block_col, 64)
+        if k_loop:
+            block_col = min(block_col, MAX_K_BLOCK)
         warps = 8 if block_row >= 128 else 4
         stages = 3 if head <= 128 else 2
         if streams:

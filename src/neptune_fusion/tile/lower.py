@@ -93,6 +93,9 @@ class AxisRoles:
     # element serves one row, and no output is indexed by the loop axis (a second pass would read
     # the rows again)
     streams: bool = False
+    # the loop only sums products of loaded tiles over its axis (a matmul's K-loop): no value per
+    # (row, loop) position is computed first (attention's scores), so its tile is only a K-step
+    k_loop: bool = False
 
     @property
     def tile_axes(self) -> tuple[str, ...]:
@@ -182,7 +185,9 @@ def assign_roles(program: Program) -> AxisRoles:
                                           "a member of the loop is indexed by the loop axis")
     second_pass = any(loop.axis in program.stage(spec.stage).axes for spec in program.outputs)
     streams = not second_pass and not rows_share_loads(loop.members, row, loop.axis, set(full))
-    return AxisRoles(row, loop.axis, tuple(batch), tuple(full), tuple(epilogue), streams)
+    k_loop = all(isinstance(m.body, Reduce) and m.body.op == "sum" and not any(isinstance(n, Reduce) for n in walk(m.body.body))
+                 for m in loop.members)
+    return AxisRoles(row, loop.axis, tuple(batch), tuple(full), tuple(epilogue), streams, k_loop)
 
 
 def rows_share_loads(members: tuple[Stage, ...], row: str, col: str, held: set[str]) -> bool:
