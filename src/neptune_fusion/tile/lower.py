@@ -151,11 +151,16 @@ def assign_roles(program: Program) -> AxisRoles:
     # in the tile, never rows: the row is the last of the smallest member's other axes
     inner = {n.axis for m in loop.members for n in walk(m.body.body) if isinstance(n, Reduce)}
     spatial = tuple(a for a in smallest.axes if a not in inner) or smallest.axes
-    row = spatial[-1] if spatial else UNIT_ROW
     # a program per index of a batch axis reads every operand once per index: an operand of a
     # contraction that the axis does not index (a matmul's weight across its rows) is instead
     # shared by a tile of it, so such an axis is held in the tile (tiled across the grid)
     reused = reused_operand_axes(loop.members)
+    # of a matmul's two output axes, the one whose operand is computed in the loop (a centred x)
+    # is the row: the row operand of a dot is read from registers, the other from shared memory
+    computed = [a for a in computed_operand_axes(loop.members) if a in spatial[:-1] and a in reused]
+    if spatial and spatial[-1] in reused and computed:
+        spatial = (*(a for a in spatial if a != computed[0]), computed[0])
+    row = spatial[-1] if spatial else UNIT_ROW
     batch = tuple(a for a in spatial[:-1] if a not in reused)
     full: list[str] = [a for a in spatial[:-1] if a in reused]
     known = {row, loop.axis, *batch}
@@ -244,6 +249,35 @@ def reused_operand_axes(members: tuple[Stage, ...]) -> set[str]:
             if (a - b and b - a and reads_matrix_along(body.a, node.axis)
                     and reads_matrix_along(body.b, node.axis)):
                 out |= a ^ b
+    return out
+
+
+def computed_operand_axes(members: tuple[Stage, ...]) -> list[str]:
+    """Output axes of a contraction's operand that is computed, not loaded as it is (a centred
+    `x - mean` against a loaded weight): the axes it carries and the other operand lacks.
+
+    Example:
+        >>> x, w, mean = Load("x", (Index("i"), Index("k"))), Load("w", (Index("k"), Index("e"))), Load("m", (Index("i"),))
+        >>> centred = Stage("s", ("i", "e"), Reduce("sum", "k", Binary("mul", Binary("sub", x, mean), w)))
+        >>> computed_operand_axes((centred,))
+        ['i']
+    """
+    def strip(e: Expr) -> Expr:
+        while isinstance(e, Cast):
+            e = e.x
+        return e
+
+    out: list[str] = []
+    for m in members:
+        body = m.body
+        if not (isinstance(body, Reduce) and body.op == "sum"):
+            continue
+        product = strip(body.body)
+        if not (isinstance(product, Binary) and product.op == "mul"):
+            continue
+        for a, b in ((product.a, product.b), (product.b, product.a)):
+            if not isinstance(strip(a), Load) and isinstance(strip(b), Load):
+                out += sorted(free_axes(a) - free_axes(b) - {body.axis})
     return out
 
 
