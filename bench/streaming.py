@@ -4,11 +4,12 @@ schedule derives for them (`AxisRoles.rows_share_loads`) timed beside other tile
 same template and beside torch.compile of the plain code, each checked against fp32 torch on
 random inputs. A plan the derivation should have picked shows up as a faster alternative.
 
-    python bench/streaming.py        (GPU machine; writes $OUT/streaming.json)
+    python bench/streaming.py [--derived-only]    (GPU machine; writes $OUT/streaming.json)
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 from typing import Any, Callable
 
@@ -54,6 +55,9 @@ ALTERNATIVES = [*(nf.flash(block_q=r, block_k=c, num_warps=w, num_stages=2)
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--derived-only", action="store_true", help="the derived plans only, no alternatives")
+    derived_only = parser.parse_args().derived_only
     warm_up_gpu()
     rows = []
     for name, prog, plain, args in cases():
@@ -75,7 +79,7 @@ def main() -> None:
             except Exception as exc:  # noqa: BLE001 - a failure is the finding
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:600]}"
             alternatives = []
-            if name in ("softmax_pooling", "softmax", "logsumexp"):  # one-pass plans, enough rows
+            if not derived_only and name in ("softmax_pooling", "softmax", "logsumexp"):
                 for schedule in ALTERNATIVES:
                     alt: dict[str, Any] = {"schedule": str(schedule)}
                     try:

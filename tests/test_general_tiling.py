@@ -359,12 +359,13 @@ def _roles(prog, *args):
 
 def test_streaming_loops_are_told_from_contractions_and_second_passes(randn, randint):
     """A loop whose loads all carry the row axis streams memory (each element serves one row);
-    attention's keys, a matmul's weight and a vocabulary matrix are shared by a tile's rows, and a
+    attention's keys, a matmul's weight and a vocabulary matrix are shared by a tile's rows; a
     softmax's probabilities need a second pass over the row."""
     x = randn(64, 300)
     assert _roles(softmax_pooling, x, randn(64, 300)).streams
     assert _roles(logsumexp_rows, x).streams
-    assert not _roles(softmax_1d, x).streams
+    assert _roles(softmax_1d, x).streams and _roles(softmax_1d, x).rereads
+    assert not _roles(logsumexp_rows, x).rereads
     q = randn(1, 2, 64, 32)
     assert not _roles(attention, q, q, q, 0.1).streams
     assert not _roles(linear_logsumexp, randn(64, 32), randn(600, 32)).streams
@@ -395,6 +396,9 @@ def test_streaming_plans_take_many_small_programs():
     assert shared.block_row == 128
     few = choose(Auto(), rows=64, dtype="f16", streams=True, **common)
     assert few.splits > 1 and few.block_row == 16 and few.block_col == 128
+    # 2048 rows: 128 programs of 16, split until about four share each multiprocessor
+    assert choose(Auto(), rows=2048, dtype="f16", streams=True, **common).splits == 4
+    assert choose(Auto(), rows=16384, dtype="f16", streams=True, rereads=True, **common).block_col == 512
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -527,7 +527,7 @@ class Compiled:
                 return choose(self.schedule, rows=sizes[roles.row], cols=sizes[roles.col],
                               batch=batch * programs_per_row_tile, full_sizes=full_sizes, dtype=main_dtype,
                               num_sms=_num_sms(device), interpreter=interpreter, block_mapped=use_block_map,
-                              streams=roles.streams, k_loop=roles.k_loop)
+                              streams=roles.streams, rereads=roles.rereads, k_loop=roles.k_loop)
 
             plan = plan_for(1)
             # the tiles of grid-tiled axes are programs too: split-K only where all of them leave the
@@ -606,7 +606,7 @@ class Compiled:
                 flash = choose(Flash(), rows=sizes[roles.row], cols=sizes[roles.col], batch=batch,
                                full_sizes=full_sizes, dtype=main_dtype, num_sms=_num_sms(device),
                                interpreter=interpreter, block_mapped=use_block_map,
-                               streams=roles.streams, k_loop=roles.k_loop)
+                               streams=roles.streams, rereads=roles.rereads, k_loop=roles.k_loop)
                 exe = self.executable_for(program, args, flash, options)
                 self._cache[key] = exe
                 return exe

@@ -52,14 +52,15 @@ def _pow2_at_least(n: int, lo: int = 16) -> int:
 
 def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: dict[str, int], dtype: str,
            num_sms: int, interpreter: bool, block_mapped: bool = False, streams: bool = False,
-           k_loop: bool = False) -> Plan:
+           rereads: bool = False, k_loop: bool = False) -> Plan:
     """Resolve `schedule` for these sizes (rows: tiled axis, cols: reduced axis, batch: programs per row tile).
 
     `block_mapped`: tiles are visited from a run-time block map (under split-K each split takes a
     share of each row tile's list), which gains from narrower key tiles: a partly visible tile wastes
     less. `streams` (`AxisRoles.streams`): each loaded element serves one row, so more rows per
     program only make fewer programs: the tiles are small and many programs share each
-    multiprocessor, which keeps more loads in flight. `k_loop` (`AxisRoles.k_loop`): the loop
+    multiprocessor, which keeps more loads in flight; with a second pass over each row (`rereads`,
+    a softmax) the row segments are four times as wide. `k_loop` (`AxisRoles.k_loop`): the loop
     tile is a matmul's K-step, as wide as an inner K-loop's (schedule/tiles.py `MAX_K_BLOCK`): half
     the shared memory a stage of 128-wide steps takes, so two programs share a multiprocessor.
 
@@ -96,13 +97,18 @@ def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: 
             tile = STREAM_THREAD_ELEMENTS * 32 * warps
             block_col = max(16, min(_pow2_at_least(cols), tile // (STREAM_ROWS * held_elems)))
             block_row = min(_pow2_at_least(rows), max(STREAM_ROWS, tile // (block_col * held_elems)))
+            if rereads:
+                block_col = min(_pow2_at_least(cols), 4 * block_col)
     splits = 1
     prefetch = False
     programs = math.ceil(rows / block_row) * batch
     if isinstance(schedule, SplitK):
         splits = schedule.splits or 0
     elif isinstance(schedule, Auto):
-        splits = 0 if programs < num_sms and cols >= 4 * block_col else 1
+        # a streaming loop has no tile reuse to lose by splitting: it splits until about four
+        # programs share each multiprocessor (its combine merges one state per row and split)
+        fill = 4 * num_sms if streams and not rereads and not interpreter else num_sms
+        splits = 0 if programs < fill and cols >= 4 * block_col else 1
     if splits != 1 and rows <= MMA_ROWS and not streams:
         # memory-bound (one row tile of at most one warpgroup's MMA rows: each loaded element
         # feeds few products, and no other row tile reads it): 64-wide key tiles, 4 warps, 2 stages
@@ -116,7 +122,7 @@ def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: 
         # multiprocessor gets an extra one; each chunk at least four tiles long. The combine merges
         # splits x rows partial states, so programs with several rows (packed GQA groups,
         # speculative decoding) take fewer splits
-        wanted = max(1, (4 * num_sms) // (programs * min(4, rows)))
+        wanted = max(1, (4 * num_sms) // (programs * (1 if streams else min(4, rows))))
         # chunks of four tiles leave most multiprocessors idle when there are few programs (packed
         # GQA at short lengths); shorter chunks until each multiprocessor has one
         by_length = cols // (4 * block_col)

@@ -90,9 +90,10 @@ class AxisRoles:
     full: tuple[str, ...]
     epilogue: tuple[str, ...] = ()  # axes only outputs have (a split-K combine's second pass)
     # the loop streams memory: its rows share no loaded tile (`rows_share_loads`), so each loaded
-    # element serves one row, and no output is indexed by the loop axis (a second pass would read
-    # the rows again)
+    # element serves one row
     streams: bool = False
+    # an output is indexed by the loop axis: a second pass reads the rows again (a softmax)
+    rereads: bool = False
     # the loop only sums products of loaded tiles over its axis (a matmul's K-loop): no value per
     # (row, loop) position is computed first (attention's scores), so its tile is only a K-step
     k_loop: bool = False
@@ -189,10 +190,10 @@ def assign_roles(program: Program) -> AxisRoles:
             raise UnsupportedProgramError("tile lowering", m.name, f"{m.reduce_op} over {loop.axis}",
                                           "a member of the loop is indexed by the loop axis")
     second_pass = any(loop.axis in program.stage(spec.stage).axes for spec in program.outputs)
-    streams = not second_pass and not rows_share_loads(loop.members, row, loop.axis, set(full))
+    streams = not rows_share_loads(loop.members, row, loop.axis, set(full))
     k_loop = all(isinstance(m.body, Reduce) and m.body.op == "sum" and not any(isinstance(n, Reduce) for n in walk(m.body.body))
                  for m in loop.members)
-    return AxisRoles(row, loop.axis, tuple(batch), tuple(full), tuple(epilogue), streams, k_loop)
+    return AxisRoles(row, loop.axis, tuple(batch), tuple(full), tuple(epilogue), streams, second_pass, k_loop)
 
 
 def rows_share_loads(members: tuple[Stage, ...], row: str, col: str, held: set[str]) -> bool:
