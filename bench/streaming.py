@@ -57,10 +57,13 @@ ALTERNATIVES = [*(nf.flash(block_q=r, block_k=c, num_warps=w, num_stages=2)
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--derived-only", action="store_true", help="the derived plans only, no alternatives")
-    derived_only = parser.parse_args().derived_only
+    parser.add_argument("--cases", nargs="+", default=None, help="only these cases")
+    options = parser.parse_args()
     warm_up_gpu()
     rows = []
     for name, prog, plain, args in cases():
+        if options.cases and name not in options.cases:
+            continue
         row: dict[str, Any] = {"case": name, "shapes": [list(a.shape) for a in args], "dtype": str(args[0].dtype)}
         with torch.no_grad():
             ref = plain(*(a.float() for a in args)).float()
@@ -79,7 +82,7 @@ def main() -> None:
             except Exception as exc:  # noqa: BLE001 - a failure is the finding
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:600]}"
             alternatives = []
-            if not derived_only and name in ("softmax_pooling", "softmax", "logsumexp"):
+            if not options.derived_only and name in ("softmax_pooling", "softmax", "logsumexp"):
                 for schedule in ALTERNATIVES:
                     alt: dict[str, Any] = {"schedule": str(schedule)}
                     try:
