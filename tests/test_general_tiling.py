@@ -409,3 +409,38 @@ def test_streaming_tile_shapes_run_correctly(dtype, randn):
     _check(softmax_pooling, args, dtype, schedule=nf.flash(block_q=16, block_k=256, num_warps=4, num_stages=2))
     _check(softmax_pooling, args, dtype, schedule=nf.split_k(splits=2, block_q=16, block_k=256, num_warps=4))
     _check(softmax_1d, (randn(40, 700),), dtype, schedule=nf.flash(block_q=16, block_k=256, num_warps=4))
+
+
+@nf.program
+def softmax_weighted_long_values(x, v):
+    """softmax(x) over k, then a weighted sum of v's rows: e longer than a tile."""
+    p = nf.exp(x - x.max(axis=-1, keepdims=True))
+    return nf.einsum("ik,ke->ie", p, v) / p.sum(axis=-1, keepdims=True)
+
+
+@nf.program
+def rmsnorm_and_its_matmul(x, w):
+    """Two outputs reading one norm: the normalised x and its matmul."""
+    r = nf.sqrt((x * x).sum(axis=-1, keepdims=True) / x.shape[-1] + 1e-6)
+    return x / r, nf.einsum("ik,ke->ie", x / r, w)
+
+
+@nf.program
+def weight_normalised_matmul(x, w):
+    """x @ (w / ||w||) with w's columns normalised over k: a statistic without the rows of x."""
+    n = nf.sqrt((w * w).sum(axis=0, keepdims=True))
+    return nf.einsum("ik,ke->ie", x, w / n)
+
+
+@pytest.mark.parametrize(("prog", "rows", "cols", "kernels"), [
+    (softmax_weighted_long_values, 40, 600, 2), (rmsnorm_and_its_matmul, 40, 600, 2),
+    (weight_normalised_matmul, 600, 40, 2),  # w's column norms lack x's rows, tiled across the grid
+    (weight_normalised_matmul, 40, 600, 1),  # e is the row axis: each tile computes its own norms once
+], ids=["softmax_values", "two_outputs", "weight_norm_long_rows", "weight_norm_long_columns"])
+def test_statistics_under_a_grid_tiled_axis_run_once_and_stay_exact(prog, rows, cols, kernels, randn):
+    """A chain reduction without a grid-tiled axis (above 512) of another runs first in its own
+    kernel; where no tile would compute it again the program stays one kernel. Either way the
+    result is the reference's."""
+    fn = _check(prog, (randn(rows, 96), randn(96, cols, scale=0.1)))
+    grouped = any(e.groups for e in fn._cache.values())
+    assert (len(_group_tiles(fn)) if grouped else 1) == kernels
