@@ -94,8 +94,9 @@ class AxisRoles:
     streams: bool = False
     # an output is indexed by the loop axis: a second pass reads the rows again (a softmax)
     rereads: bool = False
-    # the loop only sums products of loaded tiles over its axis (a matmul's K-loop): no value per
-    # (row, loop) position is computed first (attention's scores), so its tile is only a K-step
+    # every member sums element-wise values of loaded tiles over the loop axis (a matmul's K-loop):
+    # no value per (row, loop) position comes from another reduction first (attention's scores),
+    # so the loop tile is only a K-step
     k_loop: bool = False
 
     @property
