@@ -274,6 +274,7 @@ def test_an_axis_both_reduced_and_stored_is_refused(randn):
 def test_explain_prints_every_kernel_of_a_partitioned_program(randn):
     text = nf.explain(softmax_then_column_sum, randn(12, 20))
     assert "kernel 2 of 2" in text and "inner loop" not in text
+    assert text.startswith("=== 2 kernels ===\nthe reduction(s) ['sum1'] run over ['a0']")  # why, first
 
 
 def test_autotune_leaves_a_partitioned_program_to_its_groups_schedules(randn):

@@ -231,7 +231,7 @@ def _partition_cached(program: Program, long_axes: frozenset[str] = frozenset())
     return _PARTS[key]
 
 
-def _long_axes(program: Program, args: dict[str, Any]) -> frozenset[str]:
+def long_axes(program: Program, args: dict[str, Any]) -> frozenset[str]:
     """The axes longer than a tile holds whole at these arguments' sizes (schedule/tiles.py)."""
     return frozenset(a for a, n in axis_extents(program, args).items() if n > MAX_WHOLE)
 
@@ -508,7 +508,7 @@ class Compiled:
         options = options or self.options or Options.from_environment()
         interpreter = options.interpreter
         device = _check_tensors(program, args, interpreter)
-        groups = _partition_cached(program, _long_axes(program, args))
+        groups = _partition_cached(program, long_axes(program, args))
         if len(groups) > 1:
             return self._grouped(program, groups, args, device, options)
         dtypes = {b.name: input_dtype_name(args[b.name].dtype) for b in program.inputs}
