@@ -445,3 +445,19 @@ def test_statistics_under_a_grid_tiled_axis_run_once_and_stay_exact(prog, rows, 
     fn = _check(prog, (randn(rows, 96), randn(96, cols, scale=0.1)))
     grouped = any(e.groups for e in fn._cache.values())
     assert (len(_group_tiles(fn)) if grouped else 1) == kernels
+
+
+@nf.program
+def probabilities_and_their_average(x, v):
+    """The softmax itself returned beside the sum it weights: an output read by a reduction."""
+    p = nf.exp(x - x.max(axis=-1, keepdims=True)) / nf.exp(x - x.max(axis=-1, keepdims=True)).sum(axis=-1, keepdims=True)
+    return p, nf.einsum("ik,ke->ie", p, v)
+
+
+@pytest.mark.parametrize("prog", [rmsnorm_and_its_matmul, probabilities_and_their_average], ids=["norm", "softmax"])
+def test_an_output_that_a_reduction_reads_is_computed_again_for_it(prog, randn):
+    """An element-wise output indexed by the loop axis and read by the loop's reductions: the
+    readers compute it again inside the loop (it was refused: not inlined into a rolling member),
+    the output keeps its own stage."""
+    _check(prog, (randn(24, 40), randn(40, 32, scale=0.2)))
+    _check(prog, (randn(24, 40), randn(40, 32, scale=0.2)), torch.float16)

@@ -55,15 +55,22 @@ def _rewrite_node(node: Node, stage: Stage) -> Node:
 
 
 def inline_stages(program: Program, should_inline: Callable[[Stage], bool]) -> Program:
-    """Inline every stage for which `should_inline` holds, except program outputs."""
+    """Inline every stage for which `should_inline` holds. A program output stays, and the
+    stages that read it compute it again instead (a normalised x returned beside its matmul)."""
     outputs = {o.stage for o in program.outputs}
     stages: list[Node] = list(program.stages)
     changed = True
     while changed:
         changed = False
         for st in stages:
-            if isinstance(st, Stage) and st.name not in outputs and should_inline(st):
+            if not (isinstance(st, Stage) and should_inline(st)):
+                continue
+            if st.name not in outputs:
                 stages = [_rewrite_node(n, st) for n in stages if n is not st]
+                changed = True
+                break
+            if any(n is not st and st.name in n.reads() for n in stages):
+                stages = [n if n is st or st.name not in n.reads() else _rewrite_node(n, st) for n in stages]
                 changed = True
                 break
     return program.with_stages(stages)
