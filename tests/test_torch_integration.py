@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import types
 import warnings
 
 import pytest
@@ -310,6 +311,55 @@ def test_repeated_calls_with_the_same_mods_and_other_tensors(attn_inputs, monkey
         attend(q, k, v, causal=True, window=1)
     with pytest.raises(ValueError, match="window"):
         attend(q, k, v, causal=True, window=True)
+
+
+class _Biased(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.cap = 5.0
+        self.register_buffer("slopes", torch.linspace(0.1, 0.8, H))
+
+    def soft(self, score, b, h, q_idx, kv_idx):
+        return self.cap * torch.tanh(score / self.cap) + self.slopes[h]
+
+    def global_bias(self, score, b, h, q_idx, kv_idx):
+        return score + BIAS[h]
+
+
+def test_a_bound_method_as_score_mod_is_one_cache_entry_and_sees_its_object(attn_inputs):
+    """`score_mod=module.method` is a new bound method at every access: the call caches key it by
+    its function and object, so repeated calls reuse one entry; what it reads through its object
+    (a float attribute changed, a buffer written in place or rebound) is seen: the attributes its
+    code names are part of its key (they were fixed at the first trace: a stale softcap)."""
+    from neptune_fusion.integrations import attention as front
+
+    q, k, v = attn_inputs(1, H, 8, 24, 16)
+    m = _Biased()
+    front.clear_cache()
+    for _ in range(4):
+        torch.testing.assert_close(nf.attention(q, k, v, score_mod=m.global_bias),
+                                   dense(q, k, v, 0.25, score=lambda s: s + BIAS[:, None, None]), atol=2e-5, rtol=1e-4)
+    assert len(front._fast) == 1 and len(front._lean) == 1
+
+    def want():
+        return dense(q, k, v, 0.25, score=lambda s: m.cap * torch.tanh(s / m.cap) + m.slopes[:, None, None])
+
+    for cap in (5.0, 5.0, 1.0, 20.0):
+        m.cap = cap
+        torch.testing.assert_close(nf.attention(q, k, v, score_mod=m.soft), want(), atol=2e-5, rtol=1e-4)
+    m.slopes.mul_(3)
+    torch.testing.assert_close(nf.attention(q, k, v, score_mod=m.soft), want(), atol=2e-5, rtol=1e-4)
+    m.slopes = m.slopes * 2
+    torch.testing.assert_close(nf.attention(q, k, v, score_mod=m.soft), want(), atol=2e-5, rtol=1e-4)
+    cfg = types.SimpleNamespace(inner=types.SimpleNamespace(cap=5.0))
+
+    def nested(score, b, h, q_idx, kv_idx):  # an attribute of an object a closure holds
+        return cfg.inner.cap * torch.tanh(score / cfg.inner.cap)
+
+    for cap in (5.0, 1.0):
+        cfg.inner.cap = cap
+        torch.testing.assert_close(nf.attention(q, k, v, score_mod=nested),
+                                   dense(q, k, v, 0.25, score=lambda s, c=cap: c * torch.tanh(s / c)), atol=2e-5, rtol=1e-4)
 
 
 def lengths_mask_mod(lengths: torch.Tensor):

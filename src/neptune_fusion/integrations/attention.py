@@ -28,8 +28,10 @@ Caching: traced programs are cached per (score_mod, mask_mod, shapes, dtypes, fl
 kernels per (score_mod, mask_mod, schedule, flags). A function is identified by its code and the
 values it closes over (closure cells, globals it names, defaults, nested functions): Python
 scalars by value, tensors by shape/dtype (and passed anew on every call). A new closure from the
-same factory reuses the compiled kernel. Values reached only through attributes of other objects
-are fixed at the first trace; pass them through a closure or global instead.
+same factory reuses the compiled kernel. An object a mod reaches (`self` of a bound method, a
+captured config) is keyed by identity and by its own attributes that the mod's code names
+(`self.cap`, `self.slopes`, nested objects the same way), read again on every repeated call;
+attributes found otherwise (`getattr` with a computed name, a property) are fixed at the first trace.
 
 Example:
     >>> import torch, neptune_fusion as nf
@@ -291,7 +293,28 @@ def _unchanged(reads: list[tuple[str, Any, Any, Any]]) -> bool:
     return True
 
 
-def _value_key(value: Any, walk: _Walk, path: Path, depth: int) -> Any:
+def _instance_attributes(obj: Any, names: tuple[str, ...]) -> list[tuple[str, Any]]:
+    """The attributes among `names` that `obj` holds itself (its instance dict; a Module's
+    parameters, buffers and submodules too), sorted: what a function whose code names them may
+    read through it (`self.cap`, `cfg.slopes`)."""
+    d = getattr(obj, "__dict__", None)
+    if not names or not isinstance(d, dict):
+        return []
+    stores = [d]
+    if isinstance(obj, torch.nn.Module):
+        stores += [d.get("_parameters"), d.get("_buffers"), d.get("_modules")]
+    found: dict[str, Any] = {}
+    for store in stores:
+        if isinstance(store, dict):
+            for n in names:
+                if n in store and n not in found:
+                    found[n] = store[n]
+    return sorted(found.items())
+
+
+def _value_key(value: Any, walk: _Walk, path: Path, depth: int, names: tuple[str, ...] = ()) -> Any:
+    """The key of a value a mod reaches; `names`: the names its code uses, so the attributes of an
+    object it reaches that those name are part of the key (and read again by `_unchanged`)."""
     if isinstance(value, _SCALARS):
         return (type(value).__name__, value)
     if isinstance(value, torch.Tensor):
@@ -311,10 +334,15 @@ def _value_key(value: Any, walk: _Walk, path: Path, depth: int) -> Any:
             for i, x in enumerate(value):
                 walk.read("item", value, i, x)
         return (type(value).__name__,
-                tuple(_value_key(x, walk, (*path, ("item", i)), depth) for i, x in enumerate(value)))
+                tuple(_value_key(x, walk, (*path, ("item", i)), depth, names) for i, x in enumerate(value)))
     if isinstance(value, type):
         return ("type", value)
-    return ("object", type(value).__qualname__, id(value))
+    if depth > 6 or id(value) in walk.seen:
+        return ("object", type(value).__qualname__, id(value))
+    walk.seen.add(id(value))
+    attrs = tuple((n, _value_key(walk.read("attr", value, n, x), walk, (*path, ("attr", n)), depth + 1, names))
+                  for n, x in _instance_attributes(value, names))
+    return ("object", type(value).__qualname__, id(value), attrs)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -340,13 +368,16 @@ def _fn_key(fn: Any, walk: _Walk, path: Path = (), depth: int = 0) -> Any:
                     for n in sorted(fn.keywords))
         return ("partial", _fn_key(fn.func, walk, (*path, ("func",)), depth + 1), args, kws)
     if isinstance(fn, types.MethodType):
-        return ("method", _value_key(fn.__self__, walk, (*path, ("self",)), depth),
+        code = getattr(fn.__func__, "__code__", None)
+        names = _global_names(code) if isinstance(code, types.CodeType) else ()
+        return ("method", _value_key(fn.__self__, walk, (*path, ("self",)), depth, names),
                 _fn_key(fn.__func__, walk, (*path, ("func",)), depth + 1))
     if not isinstance(fn, types.FunctionType):
         return ("callable", type(fn).__qualname__, id(fn))
     if id(fn) in walk.seen:
         return ("recursive", fn.__code__)
     walk.seen.add(id(fn))
+    names = _global_names(fn.__code__)  # also every attribute name the code reads
     cells = []
     for i, cell in enumerate(fn.__closure__ or ()):
         try:
@@ -355,13 +386,13 @@ def _fn_key(fn: Any, walk: _Walk, path: Path = (), depth: int = 0) -> Any:
             walk.read("cell", cell, None, _MISSING)
             cells.append(("empty",))
             continue
-        cells.append(_value_key(contents, walk, (*path, ("cell", i)), depth))
+        cells.append(_value_key(contents, walk, (*path, ("cell", i)), depth, names))
     g = fn.__globals__
-    globs = tuple((n, _value_key(g[n], walk, (*path, ("global", n)), depth))
-                  for n in _global_names(fn.__code__) if walk.read("key", g, n, g.get(n, _MISSING)) is not _MISSING)
-    defaults = tuple(_value_key(x, walk, (*path, ("default", i)), depth)
+    globs = tuple((n, _value_key(g[n], walk, (*path, ("global", n)), depth, names))
+                  for n in names if walk.read("key", g, n, g.get(n, _MISSING)) is not _MISSING)
+    defaults = tuple(_value_key(x, walk, (*path, ("default", i)), depth, names)
                      for i, x in enumerate(walk.read("attr", fn, "__defaults__", fn.__defaults__) or ()))
-    kwdefaults = tuple((n, _value_key(x, walk, (*path, ("kwdefault", n)), depth))
+    kwdefaults = tuple((n, _value_key(x, walk, (*path, ("kwdefault", n)), depth, names))
                        for n, x in sorted((walk.read("attr", fn, "__kwdefaults__", fn.__kwdefaults__) or {}).items()))
     return ("fn", fn.__code__, tuple(cells), globs, defaults, kwdefaults)
 
@@ -384,6 +415,8 @@ def _follow(obj: Any, path: Path) -> Any:
             obj = obj.keywords[step[1]]
         elif kind == "func":
             obj = obj.func if isinstance(obj, functools.partial) else obj.__func__
+        elif kind == "attr":
+            obj = getattr(obj, step[1])
         else:  # "self"
             obj = obj.__self__
     return obj
@@ -407,6 +440,8 @@ def _describe(mod_name: str, fn: Any, path: Path) -> str:
             return f"{mod_name}'s closure variable {names[step[1]]!r}"
     if step[0] == "global":
         return f"{mod_name}'s global {step[1]!r}"
+    if step[0] == "attr":
+        return f"the attribute {step[1]!r} {mod_name} reads"
     return f"a tensor {mod_name} captures"
 
 
@@ -658,7 +693,7 @@ class _FastCall:
         self.layouts = layouts  # of q, k, v and the extras (eager calls)
 
     def valid(self, request: _Request) -> bool:
-        return (self.request.score_mod is request.score_mod and self.request.mask_mod is request.mask_mod
+        return (_same_mod(self.request.score_mod, request.score_mod) and _same_mod(self.request.mask_mod, request.mask_mod)
                 and (not self.checks or _unchanged(self.walk.reads)))
 
     def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, found: list[torch.Tensor]) -> tuple[Any, ...]:
@@ -707,7 +742,7 @@ def _lean_hit(lean_key: Any, q: Any, k: Any, v: Any, extras: tuple[torch.Tensor,
     """The result of the call through a `_lean` entry, or None (the caller takes the full path)."""
     for hit in _lean.get(lean_key, ()):
         request = hit.request
-        if request.score_mod is score_mod and request.mask_mod is mask_mod and request.schedule is schedule:
+        if _same_mod(request.score_mod, score_mod) and _same_mod(request.mask_mod, mask_mod) and request.schedule is schedule:
             result = hit.again(q, k, v, extras)
             if result is not None:
                 return result
@@ -958,12 +993,26 @@ def _block_builtins(block_mask: Any, mask_mod: Any, q: torch.Tensor, k: torch.Te
     return tables.mask_mod, (tables.q_block, tables.kv_block, tables.full is not None), extras
 
 
+def _mod_id(fn: Any) -> Any:
+    """A mod's identity in the call caches: a bound method (`score_mod=self.alibi`, a new object at
+    every attribute access) by its function and its object; anything else by `id`. A cache entry
+    holds the mod it was made for, so no id it keys by is reused while it lives."""
+    if isinstance(fn, types.MethodType):
+        return (id(fn.__func__), id(fn.__self__))
+    return id(fn)
+
+
+def _same_mod(a: Any, b: Any) -> bool:
+    return a is b or (isinstance(a, types.MethodType) and isinstance(b, types.MethodType)
+                      and a.__func__ is b.__func__ and a.__self__ is b.__self__)
+
+
 def _lean_key(score_mod: Any, mask_mod: Any, flags: tuple[Any, ...], schedule: Any, scale: Any) -> Any:
     """`_lean`'s key of an eager call (None: the call is not one it keys): the mods and the
     schedule by identity, the flags and a float scale by value."""
     if scale is not None and type(scale) is not float:
         return None
-    return (id(score_mod), id(mask_mod), flags, id(schedule), scale)
+    return (_mod_id(score_mod), _mod_id(mask_mod), flags, id(schedule), scale)
 
 
 def _call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: _Request, extras: tuple[torch.Tensor, ...],
@@ -978,7 +1027,7 @@ def _call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: _Request, 
     # the checks and the resolution that call passed; only what its mods read is checked again
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
         _check_inputs(q, k, v, request.score_mod, scale, request.enable_gqa)  # raises the TypeError
-    fast_key = (id(request.score_mod), id(request.mask_mod), request[2:], scale, tensor_layout(q), tensor_layout(k),
+    fast_key = (_mod_id(request.score_mod), _mod_id(request.mask_mod), request[2:], scale, tensor_layout(q), tensor_layout(k),
                 tensor_layout(v), *map(tensor_layout, extras))
     hit = _fast.get(fast_key)
     if hit is not None and hit.valid(request) and not (torch.is_grad_enabled() and _needs_grad([q, k, v, *hit.walk.tensors])):
