@@ -362,6 +362,41 @@ def test_a_bound_method_as_score_mod_is_one_cache_entry_and_sees_its_object(attn
                                    dense(q, k, v, 0.25, score=lambda s, c=cap: c * torch.tanh(s / c)), atol=2e-5, rtol=1e-4)
 
 
+SOFTCAP = 5.0
+CONFIG = types.SimpleNamespace(cap=5.0)
+
+
+def global_softcap(score, b, h, q_idx, kv_idx):
+    return SOFTCAP * torch.tanh(score / SOFTCAP)
+
+
+def config_softcap(score, b, h, q_idx, kv_idx):
+    return CONFIG.cap * torch.tanh(score / CONFIG.cap)
+
+
+def test_compiled_calls_see_changed_constants_their_mods_read(attn_inputs):
+    """Under torch.compile the mods are constants of the graph and nothing guards the values their
+    key read (a global float, an object's attribute): the op checks them on every call and keys
+    its kernels again when they changed (they kept the first trace's value: a stale softcap)."""
+    global SOFTCAP
+    q, k, v = attn_inputs(1, H, 8, 24, 16)
+    saved = SOFTCAP
+    try:
+        for mod, set_cap in ((global_softcap, lambda c: globals().__setitem__("SOFTCAP", c)),
+                             (config_softcap, lambda c: setattr(CONFIG, "cap", c))):
+            set_cap(5.0)
+            compiled = torch.compile(lambda q, k, v, mod=mod: nf.attention(q, k, v, score_mod=mod), fullgraph=True,
+                                     backend="aot_eager")
+            for cap in (5.0, 1.0, 1.0, 20.0):
+                set_cap(cap)
+                torch.testing.assert_close(compiled(q, k, v),
+                                           dense(q, k, v, 0.25, score=lambda s, c=cap: c * torch.tanh(s / c)),
+                                           atol=2e-5, rtol=1e-4)
+    finally:
+        SOFTCAP = saved
+        CONFIG.cap = 5.0
+
+
 def lengths_mask_mod(lengths: torch.Tensor):
     def by_length(b, h, q_idx, kv_idx):
         return kv_idx < lengths[b]

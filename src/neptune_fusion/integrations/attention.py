@@ -790,7 +790,7 @@ def _static_handle(score_mod: Any, mask_mod: Any, builtins: tuple[Any, ...], out
 def _flex_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, captures: list[torch.Tensor],
                        handle: int, scale: float) -> list[torch.Tensor]:
     """One fused attention kernel as a torch op: what torch.compile puts in its graph."""
-    h = _handles[handle]
+    h = _current_handle(handle)
     groups = query.shape[1] // key.shape[1]
     fast_key = ("op", handle, scale, *map(tensor_layout, (query, key, value, *captures)))
     hit = _fast.get(fast_key)
@@ -799,6 +799,24 @@ def _flex_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
             return list(hit.launch(query, key, value, captures))
         extras = tuple(captures[len(h.paths):])  # the closure tensors come first
         return list(_run(query, key, value, h.request, extras, scale, groups, captures, h.keyed, fast_key))
+
+
+def _current_handle(handle: int) -> _Handle:
+    """The handle, keyed again where a value its mods' key read has changed since (a global float,
+    an attribute of an object they reach, a closure cell): torch.compile does not guard those
+    values (it sees the mods only as constants), so the op checks them, and the kernels follow."""
+    h = _handles[handle]
+    if _unchanged(h.keyed[1].reads):
+        return h
+    keyed = _keys(h.request)
+    if tuple(keyed[1].paths) != h.paths:
+        raise RuntimeError("neptune_fusion: the tensors the score_mod / mask_mod reach changed since torch.compile "
+                           "traced the call (another structure of captured values); call torch._dynamo.reset() "
+                           "or pass the changing values as tensors")
+    h = _handles[handle] = dataclasses.replace(h, keyed=keyed)
+    for key in [k for k in _fast if k[:2] == ("op", handle)]:  # their kernels were compiled for the old values
+        del _fast[key]
+    return h
 
 
 @_flex_attention_op.register_fake
