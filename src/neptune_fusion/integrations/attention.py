@@ -30,8 +30,9 @@ values it closes over (closure cells, globals it names, defaults, nested functio
 scalars by value, tensors by shape/dtype (and passed anew on every call). A new closure from the
 same factory reuses the compiled kernel. An object a mod reaches (`self` of a bound method, a
 captured config) is keyed by identity and by its own attributes that the mod's code names
-(`self.cap`, `self.slopes`, nested objects the same way), read again on every repeated call;
-attributes found otherwise (`getattr` with a computed name, a property) are fixed at the first trace.
+(`self.cap`, `self.slopes`, nested objects the same way), read again on every repeated call (inside
+torch.compile by the op, which keys its kernels again when one changed); attributes found otherwise
+(`getattr` with a computed name, a property) are fixed at the first trace.
 
 Example:
     >>> import torch, neptune_fusion as nf
