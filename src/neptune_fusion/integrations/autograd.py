@@ -34,12 +34,12 @@ from neptune_fusion.runtime.compiled import Compiled, install_allocator, output_
 from neptune_fusion.runtime.reference import axis_extents, run_reference
 from neptune_fusion.runtime.state import in_cudagraph_tree, private_state
 from neptune_fusion.schedule.materialise import (
-    LENGTH_PARAM,
-    OFFSET_PARAM,
     Contraction,
     Materialised,
     OneHot,
     accumulates_in_fp32,
+    call_params,
+    chunk_arguments,
     chunk_budget,
     chunk_length,
     materialise,
@@ -74,7 +74,7 @@ class Chunked:
         self.plan = plan
         self.producer = Compiled(FixedProgram(plan.producer), Auto(), allow_fallback)
         names = {b.name for b in plan.producer.inputs} | {c.operand for c in plan.contractions}
-        params = [p for p in plan.producer.params if p not in (OFFSET_PARAM, LENGTH_PARAM)]
+        params = call_params(plan)
         if plan.one_hot is not None:
             names |= {b.name for b in plan.one_hot.values.inputs}
             params += [p for p in plan.one_hot.values.params if p not in params]
@@ -84,7 +84,7 @@ class Chunked:
     def first_chunk(self, named: dict[str, Any]) -> dict[str, Any]:
         """The producer's arguments for the first chunk (to plan its kernel before any call)."""
         sizes = self._sizes(named)
-        return self._chunk_args(named, 0, self._length(named, sizes), sizes[self.plan.axis])
+        return chunk_arguments(self.plan, named, 0, self._length(named, sizes), sizes[self.plan.axis])
 
     def _sizes(self, named: dict[str, Any]) -> dict[str, int]:
         sizes: dict[str, int] = {}
@@ -96,15 +96,6 @@ class Chunked:
 
     def _length(self, named: dict[str, Any], sizes: dict[str, int]) -> int:
         return chunk_length(self.plan, sizes, named[self.plan.contractions[0].operand].element_size())
-
-    def _chunk_args(self, named: dict[str, Any], start: int, n: int, whole: int) -> dict[str, Any]:
-        cut = dict(self.plan.sliced)
-        args = {b.name: named[b.name].narrow(cut[b.name], start, n) if b.name in cut else named[b.name]
-                for b in self.plan.producer.inputs}
-        args.update({p: named[p] for p in self.plan.producer.params if p not in (OFFSET_PARAM, LENGTH_PARAM)})
-        args[OFFSET_PARAM] = start
-        args[LENGTH_PARAM] = whole
-        return args
 
     def __call__(self, **named: Any) -> tuple[torch.Tensor, ...]:
         plan = self.plan
@@ -136,7 +127,7 @@ class Chunked:
 
         for start in range(0, sizes[plan.axis], length):
             n = min(length, sizes[plan.axis] - start)
-            shared = run_kernels(self.producer, self._chunk_args(named, start, n, sizes[plan.axis])).to(dtype)
+            shared = run_kernels(self.producer, chunk_arguments(plan, named, start, n, sizes[plan.axis])).to(dtype)
             for j in gathers:
                 contract(j, shared, start, n)
             if term is not None and others:

@@ -144,7 +144,7 @@ def _stand_ins(backward: Program, named: dict[str, Any], sizes_of: Program) -> d
 
 def _explain_chunked(groups: list[Group], sizes: dict[str, int], args: dict[str, Any]) -> str:
     """How the kernels no plan computes run instead (schedule/materialise.py), or why they cannot."""
-    from neptune_fusion.schedule.materialise import LENGTH_PARAM, OFFSET_PARAM, chunk_length, materialise
+    from neptune_fusion.schedule.materialise import chunk_arguments, chunk_length, materialise
 
     try:
         plan = materialise(groups, sizes)
@@ -161,10 +161,5 @@ def _explain_chunked(groups: list[Group], sizes: dict[str, int], args: dict[str,
         index, coefficient = (format_expr(hot.values.stage(o.stage).body) for o in hot.values.outputs)
         lines.append(f"kept out of the chunks: where({index} == {hot.axis}, {coefficient}, 0), gathered by the "
                      f"contractions over {hot.axis!r}, added into each chunk for the others")
-    cut = dict(plan.sliced)
-    chunk = {b.name: args[b.name].narrow(cut[b.name], 0, length) if b.name in cut else args[b.name]
-             for b in plan.producer.inputs}
-    chunk.update({p: args[p] for p in plan.producer.params if p not in (OFFSET_PARAM, LENGTH_PARAM)})
-    chunk[OFFSET_PARAM], chunk[LENGTH_PARAM] = 0, sizes[plan.axis]
-    lines.append(explain(plan.producer, **chunk, schedule=None))
+    lines.append(explain(plan.producer, **chunk_arguments(plan, args, 0, length, sizes[plan.axis]), schedule=None))
     return "\n".join(lines)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import string
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Any, Sequence
 
 from neptune_fusion.ir.errors import FusionError
 from neptune_fusion.ir.expr import (
@@ -301,6 +301,22 @@ def _producer(program: Program, shared: str, axis: str) -> tuple[Program, tuple[
     return out, sliced
 
 
+def call_params(plan: Materialised) -> list[str]:
+    """The producer's parameters that come from the call (not the chunk's offset and length)."""
+    return [p for p in plan.producer.params if p not in (OFFSET_PARAM, LENGTH_PARAM)]
+
+
+def chunk_arguments(plan: Materialised, named: dict[str, Any], start: int, n: int, whole: int) -> dict[str, Any]:
+    """The producer's arguments for positions `start .. start + n` of the chunked axis (of length
+    `whole`): the sliced inputs narrowed to them, the call's parameters, the offset and length."""
+    cut = dict(plan.sliced)
+    args = {b.name: named[b.name].narrow(cut[b.name], start, n) if b.name in cut else named[b.name]
+            for b in plan.producer.inputs}
+    args.update({p: named[p] for p in call_params(plan)})
+    args[OFFSET_PARAM], args[LENGTH_PARAM] = start, whole
+    return args
+
+
 def _shift(expr: Expr, axis: str, offset: Expr, cut: dict[str, int], staged: set[str]) -> Expr:
     """`expr` with the chunked axis at its global position (`offset`) wherever it stands for one,
     and its size the whole axis's (`LENGTH_PARAM`): not inside a stage's index (stages are computed
@@ -321,4 +337,5 @@ def _shift(expr: Expr, axis: str, offset: Expr, cut: dict[str, int], staged: set
     return rebuild(expr, tuple(_shift(k, axis, offset, cut, staged) for k in kids)) if kids else expr
 
 
-__all__ = ["LENGTH_PARAM", "OFFSET_PARAM", "Contraction", "Materialised", "OneHot", "accumulates_in_fp32", "chunk_budget", "chunk_length", "materialise"]
+__all__ = ["LENGTH_PARAM", "OFFSET_PARAM", "Contraction", "Materialised", "OneHot", "accumulates_in_fp32", "call_params",
+           "chunk_arguments", "chunk_budget", "chunk_length", "materialise"]
