@@ -697,12 +697,16 @@ class _FastCall:
         return (_same_mod(self.request.score_mod, request.score_mod) and _same_mod(self.request.mask_mod, request.mask_mod)
                 and (not self.checks or _unchanged(self.walk.reads)))
 
-    def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, found: list[torch.Tensor]) -> tuple[Any, ...]:
+    def _result(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, found: Sequence[torch.Tensor]) -> Any:
+        """The launcher's result for q, k, v and the captured arguments at `sources` in `found`."""
         args: list[Any] = [q, k, v, self.scale]
         for pos in self.sources:
             t = found[pos]
             args.append(t if t.device == q.device else scalar_on_device(t, q.device))
-        result = self.run(args)
+        return self.run(args)
+
+    def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, found: list[torch.Tensor]) -> tuple[Any, ...]:
+        result = self._result(q, k, v, found)
         return result if isinstance(result, tuple) else (result,)
 
     def again(self, q: Any, k: Any, v: Any, extras: tuple[torch.Tensor, ...]) -> Any:
@@ -721,13 +725,7 @@ class _FastCall:
             return None
         if self.checks and not _unchanged(self.walk.reads):
             return None
-        args: list[Any] = [q, k, v, self.scale]
-        if self.sources:
-            found = [*found, *extras]
-            for pos in self.sources:
-                t = found[pos]
-                args.append(t if t.device == q.device else scalar_on_device(t, q.device))
-        return self.run(args)
+        return self._result(q, k, v, [*found, *extras] if extras else found)
 
 
 _fast: OrderedDict[Any, _FastCall] = OrderedDict()
