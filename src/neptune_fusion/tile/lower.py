@@ -240,18 +240,28 @@ def reused_operand_axes(members: tuple[Stage, ...]) -> set[str]:
     out: set[str] = set()
     for m in members:
         for node in walk(m.body):
-            if not (isinstance(node, Reduce) and node.op == "sum"):
+            factors = _summed_product(node)
+            if factors is None:
                 continue
-            body = node.body
-            while isinstance(body, Cast):
-                body = body.x
-            if not (isinstance(body, Binary) and body.op == "mul"):
-                continue
-            a, b = free_axes(body.a), free_axes(body.b)
-            if (a - b and b - a and reads_matrix_along(body.a, node.axis)
-                    and reads_matrix_along(body.b, node.axis)):
+            a, b = free_axes(factors[0]), free_axes(factors[1])
+            if (a - b and b - a and reads_matrix_along(factors[0], node.axis)
+                    and reads_matrix_along(factors[1], node.axis)):
                 out |= a ^ b
     return out
+
+
+def _without_casts(expr: Expr) -> Expr:
+    while isinstance(expr, Cast):
+        expr = expr.x
+    return expr
+
+
+def _summed_product(node: Expr) -> tuple[Expr, Expr] | None:
+    """The two factors of `node` where it is a sum of a product (through casts), else None."""
+    if not (isinstance(node, Reduce) and node.op == "sum"):
+        return None
+    product = _without_casts(node.body)
+    return (product.a, product.b) if isinstance(product, Binary) and product.op == "mul" else None
 
 
 def computed_operand_axes(members: tuple[Stage, ...]) -> list[str]:
@@ -264,22 +274,14 @@ def computed_operand_axes(members: tuple[Stage, ...]) -> list[str]:
         >>> computed_operand_axes((centred,))
         ['i']
     """
-    def strip(e: Expr) -> Expr:
-        while isinstance(e, Cast):
-            e = e.x
-        return e
-
     out: list[str] = []
     for m in members:
-        body = m.body
-        if not (isinstance(body, Reduce) and body.op == "sum"):
+        factors = _summed_product(m.body)
+        if factors is None:
             continue
-        product = strip(body.body)
-        if not (isinstance(product, Binary) and product.op == "mul"):
-            continue
-        for a, b in ((product.a, product.b), (product.b, product.a)):
-            if not isinstance(strip(a), Load) and isinstance(strip(b), Load):
-                out += sorted(free_axes(a) - free_axes(b) - {body.axis})
+        for a, b in (factors, factors[::-1]):
+            if not isinstance(_without_casts(a), Load) and isinstance(_without_casts(b), Load):
+                out += sorted(free_axes(a) - free_axes(b) - {m.body.axis})  # type: ignore[union-attr]
     return out
 
 
