@@ -220,15 +220,23 @@ def _fuse_cached(program: Program, splits: int) -> tuple[Step, ...]:
     return _FUSED[key]
 
 
-_PARTS: dict[tuple[str, frozenset[str]], list[Group]] = {}
+_PARTS: dict[tuple[str, frozenset[str], frozenset[str]], list[Group]] = {}
 
 
-def _partition_cached(program: Program, long_axes: frozenset[str] = frozenset()) -> list[Group]:
-    """`partition(program, long_axes)`, cached by fingerprint (like `_fuse_cached`) and the long axes."""
-    key = (program.fingerprint(), long_axes)
+def _partition_cached(program: Program, long_axes: frozenset[str] = frozenset(),
+                      narrow: frozenset[str] = frozenset()) -> list[Group]:
+    """`partition(program, long_axes, narrow)`, cached by fingerprint (like `_fuse_cached`), the long
+    axes and the 16-bit inputs."""
+    key = (program.fingerprint(), long_axes, narrow)
     if key not in _PARTS:
-        _PARTS[key] = partition(program, long_axes)
+        _PARTS[key] = partition(program, long_axes, narrow)
     return _PARTS[key]
+
+
+def narrow_inputs(program: Program, args: dict[str, Any]) -> frozenset[str]:
+    """The inputs these arguments store as 16-bit floats (transform/distribute.py)."""
+    return frozenset(b.name for b in program.inputs
+                     if isinstance(args.get(b.name), torch.Tensor) and args[b.name].dtype in (torch.float16, torch.bfloat16))
 
 
 def long_axes(program: Program, args: dict[str, Any]) -> frozenset[str]:
@@ -508,9 +516,10 @@ class Compiled:
         options = options or self.options or Options.from_environment()
         interpreter = options.interpreter
         device = _check_tensors(program, args, interpreter)
-        groups = _partition_cached(program, long_axes(program, args))
+        groups = _partition_cached(program, long_axes(program, args), narrow_inputs(program, args))
         if len(groups) > 1:
             return self._grouped(program, groups, args, device, options)
+        program = groups[0].program  # as rewritten before partitioning (transform/distribute.py)
         dtypes = {b.name: input_dtype_name(args[b.name].dtype) for b in program.inputs}
         main_dtype = next(dtypes[b.name] for b in program.inputs if args[b.name].is_floating_point())
         fused = _fuse_cached(program, 1)[-1].program
@@ -937,8 +946,12 @@ def _arg_names(program: Program) -> list[str]:
 def _materialised(program: Program, group: Group, sizes: dict[str, int], device: torch.device) -> dict[str, torch.Tensor]:
     """Tensors of the shapes and dtype (fp32, contiguous) of the reductions `group` writes for the
     groups after it: example arguments for compiling those."""
-    return {r: torch.empty([sizes[a] for a in program.stage(r).axes], dtype=torch.float32, device=device)
-            for r in group.results if not r.startswith("output:")}
+    # the group's own stage gives the axes: a group may be a rewritten part of `program`
+    # (transform/distribute.py adds basis sums), so not every result is one of its stages
+    outputs = group.program.outputs
+    return {r: torch.empty([sizes[a] for a in group.program.stage(outputs[j].stage).axes], dtype=torch.float32,
+                           device=device)
+            for j, r in enumerate(group.results) if not r.startswith("output:")}
 
 
 def _fresh_scratch(specs: dict[str, tuple[list[int], torch.dtype]], device: torch.device) -> dict[str, torch.Tensor]:

@@ -27,7 +27,7 @@ from neptune_fusion.ir.errors import FusionError
 from neptune_fusion.ir.printer import format_expr, format_program
 from neptune_fusion.ir.program import Program
 from neptune_fusion.lang.trace import ProgramDef
-from neptune_fusion.runtime.compiled import Compiled, long_axes
+from neptune_fusion.runtime.compiled import Compiled, long_axes, narrow_inputs
 from neptune_fusion.schedule.partition import Group, why_apart
 from neptune_fusion.schedule.templates import Schedule
 from neptune_fusion.tile.ir import format_tile_kernel
@@ -64,7 +64,7 @@ def explain(program: ProgramDef | Program | Compiled | Callable[..., Any], *args
         out.append("")
 
     if exe.groups:
-        section(f"{len(exe.groups)} kernels", why_apart(prog, long_axes(prog, named)) or "")
+        section(f"{len(exe.groups)} kernels", why_apart(prog, long_axes(prog, named), narrow_inputs(prog, named)) or "")
     for i, step in enumerate(exe.steps):
         section(f"{i}. {step.name}", format_program(step.program))
     plan = exe.plan

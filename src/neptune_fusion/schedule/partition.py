@@ -30,6 +30,7 @@ from typing import Any, Callable
 from neptune_fusion.analysis.chains import chain_axis, transitive_reads
 from neptune_fusion.ir.expr import Cast, Index, Load, Reduce
 from neptune_fusion.ir.program import InputBuffer, OutputSpec, Program, Stage
+from neptune_fusion.transform.distribute import distribute_constant_terms
 
 MATERIALISED_PREFIX = "__mat_"
 
@@ -90,7 +91,9 @@ def _recomputed_per_tile(program: Program, long_axes: frozenset[str]) -> tuple[s
         # it reads a contraction (attention's scores under a softmax's max): the later kernel
         # computes that again for its own tiles, so an earlier one would add a pass, not save one
         return None
-    late = {n for n, reads in readers.items() if reads & seeds and n not in seeds and n not in upstream}
+    # everything the earlier kernel does not need runs in the later one: the readers of its
+    # reductions, and the reductions that have every tiled axis (a matmul beside its basis sum)
+    late = {n for n in readers if n not in seeds and n not in upstream}
     if not seeds or not any(st.name in late and tiled & set(st.axes) for st in chain):
         return None
     why = (f"the reduction(s) {sorted(seeds)} over {axis!r} lack the axis {sorted(tiled)} that the grid tiles: "
@@ -98,10 +101,14 @@ def _recomputed_per_tile(program: Program, long_axes: frozenset[str]) -> tuple[s
     return late, why
 
 
-def partition(program: Program, long_axes: frozenset[str] = frozenset()) -> list[Group]:
+def partition(program: Program, long_axes: frozenset[str] = frozenset(),
+              narrow: frozenset[str] = frozenset()) -> list[Group]:
     """Groups of `program` that each fit one kernel, in the order they must run. `long_axes`: the
     axes too long to hold in a tile at the call's sizes (a reduction recomputed under each tile of
-    one of them is computed once, in an earlier group)."""
+    one of them is computed once, in an earlier group). `narrow`: the inputs stored as 16-bit
+    floats, whose contractions leave terms constant along them to a basis sum
+    (transform/distribute.py) before the program is cut."""
+    program = distribute_constant_terms(program, narrow)
     found = _apart(program) or _recomputed_per_tile(program, long_axes)
     if found is None:
         return [Group(program, tuple(f"output:{j}" for j in range(len(program.outputs))))]
@@ -111,13 +118,15 @@ def partition(program: Program, long_axes: frozenset[str] = frozenset()) -> list
         return [Group(program, tuple(f"output:{j}" for j in range(len(program.outputs))))]
     groups: list[Group] = []
     for part in (first, second):
-        for sub in partition(part.program, long_axes):
+        for sub in partition(part.program, long_axes, narrow):
             groups.append(Group(sub.program, tuple(_resolve(r, part) for r in sub.results)))
     return groups
 
 
-def why_apart(program: Program, long_axes: frozenset[str] = frozenset()) -> str | None:
+def why_apart(program: Program, long_axes: frozenset[str] = frozenset(),
+              narrow: frozenset[str] = frozenset()) -> str | None:
     """Why `program` needs more than one kernel (None when it does not)."""
+    program = distribute_constant_terms(program, narrow)
     found = _apart(program) or _recomputed_per_tile(program, long_axes)
     return None if found is None else found[1]
 
