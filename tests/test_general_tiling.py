@@ -461,3 +461,43 @@ def test_an_output_that_a_reduction_reads_is_computed_again_for_it(prog, randn):
     the output keeps its own stage."""
     _check(prog, (randn(24, 40), randn(40, 32, scale=0.2)))
     _check(prog, (randn(24, 40), randn(40, 32, scale=0.2)), torch.float16)
+
+
+def test_matmul_plans_take_wide_output_tiles_and_deep_pipelines():
+    """For the GPU: a loop that only sums loaded products (a matmul) takes 128 x 256 output tiles
+    (its accumulators are all the loop holds) and as many K-stages as shared memory holds; a loop
+    whose tiles each run an inner K-loop (a linear cross-entropy's vocabulary loop) takes 256-wide
+    loop tiles, since it reads its rows' operand again for every loop tile."""
+    from neptune_fusion.schedule.auto import INNER_LOOP_TILE, MAX_K_STAGES
+    from neptune_fusion.schedule.tiles import ACCUMULATOR_TILE_VALUES, GRID_TILE_VALUES, grid_block
+
+    assert grid_block(128, True) * 128 == ACCUMULATOR_TILE_VALUES and grid_block(128, False) * 128 == GRID_TILE_VALUES
+    # (the grid-tiled axis's 32 tiles are programs too: `batch`)
+    common = dict(rows=4096, cols=4096, batch=32, full_sizes={"i": 8192}, dtype="f16", num_sms=132, interpreter=False)
+    matmul_plan = choose(Auto(), k_loop=True, **common)
+    assert (matmul_plan.block_row, matmul_plan.block_col, matmul_plan.num_stages) == (128, 64, MAX_K_STAGES)
+    assert choose(Auto(), **common).num_stages == 3  # attention keeps its pipeline
+    vocab = dict(common, rows=8192, cols=128256, full_sizes={"d": 4096})
+    assert choose(Auto(), inner_loops=True, **vocab).block_col == INNER_LOOP_TILE
+    assert choose(Auto(), inner_loops=True, **dict(vocab, dtype="f32")).block_col < INNER_LOOP_TILE
+    assert choose(Auto(), inner_loops=True, **dict(vocab, interpreter=True)).block_col == 32
+
+
+@nf.program
+def gram_like_matmul(x, w):
+    return nf.einsum("ik,ke->ie", x, w)
+
+
+@pytest.mark.parametrize("prog", ["matmul", "linear_logsumexp"])
+def test_tiled_operands_read_through_tensor_descriptors(prog, monkeypatch, randn):
+    """K-steps and grid-tiled tiles read through tensor descriptors (both coordinates at run time,
+    a block stored the other way round transposed as read) give the reference result, also where
+    the lengths are not multiples of the blocks (out-of-range elements read as zero)."""
+    monkeypatch.setenv("NEPTUNE_FUSION_TMA", "force")
+    if prog == "matmul":
+        program, args = gram_like_matmul, (randn(544, 200), randn(200, 48, scale=0.1))
+    else:
+        program, args = linear_logsumexp, (randn(24, 600), randn(70, 600, scale=0.05))
+    fn = _check(program, args, torch.float16)
+    sources = [k.source for e in fn._cache.values() for k in (e.main, e.combine) if k is not None]
+    assert any("make_tensor_descriptor" in s and ".load([" in s for s in sources)

@@ -221,7 +221,8 @@ class _Printer:
             return (f"tl.make_tensor_descriptor({at['buffer']}_ptr + {a[0].name}, shape=[{a[1].name}, {at['inner_size']}], "
                     f"strides=[{a[2].name}, 1], block_shape=[{outer}, {inner}])")
         if k == "desc_load":
-            return f"{a[0].name}.load([{a[1].name}, 0])"
+            block = f"{a[0].name}.load([{a[1].name}, {a[2].name if len(a) > 2 else 0}])"
+            return f"tl.trans({block})" if at.get("transposed") else block
         if k == "full":
             if not out.axes:
                 return f"tl.full([], {_literal(at['value'])}, {TL_DTYPES[out.dtype]})"

@@ -48,7 +48,14 @@ from neptune_fusion.schedule.auto import Plan, choose, fit
 from neptune_fusion.schedule.partition import Group, partition
 from neptune_fusion.schedule.pipeline import SPLIT_AXIS, Step, combine_program, fuse, with_split_k
 from neptune_fusion.schedule.templates import Auto, Autotune, Flash, Schedule, SplitK
-from neptune_fusion.schedule.tiles import MAX_WHOLE, AxisTiling, check_fits, choose_tiling, grid_tiles
+from neptune_fusion.schedule.tiles import (
+    MAX_WHOLE,
+    AxisTiling,
+    check_fits,
+    choose_tiling,
+    grid_tiles,
+    inner_loop_axes,
+)
 from neptune_fusion.tile.ir import TileKernel
 from neptune_fusion.tile.lower import (
     BLOCK_MAP_PREFIX,
@@ -536,7 +543,8 @@ class Compiled:
                 return choose(self.schedule, rows=sizes[roles.row], cols=sizes[roles.col],
                               batch=batch * programs_per_row_tile, full_sizes=full_sizes, dtype=main_dtype,
                               num_sms=_num_sms(device), interpreter=interpreter, block_mapped=use_block_map,
-                              streams=roles.streams, rereads=roles.rereads, k_loop=roles.k_loop)
+                              streams=roles.streams, rereads=roles.rereads, k_loop=roles.k_loop,
+                              inner_loops=bool(inner_loop_axes(fused, full_sizes)))
 
             plan = plan_for(1)
             # the tiles of grid-tiled axes are programs too: split-K only where all of them leave the
@@ -560,10 +568,11 @@ class Compiled:
                                4 if main_dtype == "f32" else 2, plan.num_stages, plan.num_warps)
         check_fits(tiling, fused, plan.block_row, plan.num_warps)
         tma = all_tma = _tma_buffers(program, args, device, options)
-        if use_block_map or plan.splits > 1:
+        if use_block_map or (plan.splits > 1 and not tiling.loops):
             # tiles at run-time coordinates (from the block map) and split-K's memory-bound single
             # reads of each key tile load faster through pointers: a descriptor costs more to set up
-            # than a tile read once saves
+            # than a tile read once saves. A split loop with inner K-loops reads its tiles many times
+            # and is compute-bound: descriptors spare it the address tiles in registers
             tma = frozenset()
         positive = frozenset(p for p in program.params if isinstance(args[p], float) and args[p] > 0)
         combine_rows = min(16, 1 << max(0, (sizes[roles.row] - 1).bit_length()))
@@ -615,7 +624,8 @@ class Compiled:
                 flash = choose(Flash(), rows=sizes[roles.row], cols=sizes[roles.col], batch=batch,
                                full_sizes=full_sizes, dtype=main_dtype, num_sms=_num_sms(device),
                                interpreter=interpreter, block_mapped=use_block_map,
-                               streams=roles.streams, rereads=roles.rereads, k_loop=roles.k_loop)
+                               streams=roles.streams, rereads=roles.rereads, k_loop=roles.k_loop,
+                              inner_loops=bool(inner_loop_axes(fused, full_sizes)))
                 exe = self.executable_for(program, args, flash, options)
                 self._cache[key] = exe
                 return exe

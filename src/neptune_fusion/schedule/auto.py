@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from neptune_fusion.schedule.templates import Auto, Autotune, Flash, Schedule, SplitK
-from neptune_fusion.schedule.tiles import MAX_K_BLOCK, MAX_WHOLE
+from neptune_fusion.schedule.tiles import MAX_K_BLOCK, MAX_WHOLE, grid_block
 
 MMA_ROWS = 64  # rows of one warpgroup's tensor-core instruction (wgmma)
 TILED_HELD = 128  # width of the tile an axis longer than MAX_WHOLE is held in (at most)
@@ -28,6 +28,13 @@ SHARED_BYTES = 200 * 1024
 # tile (16-bit: two 16-byte vectors), so that many programs share a multiprocessor
 STREAM_THREAD_ELEMENTS = 16
 STREAM_ROWS = 16  # the fewest rows a tile is laid out with
+
+# a loop whose every tile runs an inner K-loop re-reads its rows' operand (too long to keep in the
+# program) from memory for each loop tile, so each element read serves `block_col` products: the
+# H100 / H200's ~1000 dense TFLOP/s over ~4.8 TB/s of HBM asks for about 200, and the loop tiles
+# are this wide (a linear cross-entropy's vocabulary tiles)
+INNER_LOOP_TILE = 256
+MAX_K_STAGES = 4  # pipeline stages of a matmul's K-loop when shared memory holds them
 
 
 @dataclass(frozen=True)
@@ -52,7 +59,7 @@ def _pow2_at_least(n: int, lo: int = 16) -> int:
 
 def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: dict[str, int], dtype: str,
            num_sms: int, interpreter: bool, block_mapped: bool = False, streams: bool = False,
-           rereads: bool = False, k_loop: bool = False) -> Plan:
+           rereads: bool = False, k_loop: bool = False, inner_loops: bool = False) -> Plan:
     """Resolve `schedule` for these sizes (rows: tiled axis, cols: reduced axis, batch: programs per row tile).
 
     `block_mapped`: tiles are visited from a run-time block map (under split-K each split takes a
@@ -61,8 +68,11 @@ def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: 
     program only make fewer programs: the tiles are small and many programs share each
     multiprocessor, which keeps more loads in flight; with a second pass over each row (`rereads`,
     a softmax) the row segments are four times as wide. `k_loop` (`AxisRoles.k_loop`): the loop
-    tile is a matmul's K-step, as wide as an inner K-loop's (schedule/tiles.py `MAX_K_BLOCK`): half
-    the shared memory a stage of 128-wide steps takes, so two programs share a multiprocessor.
+    tile is a matmul's K-step, as wide as an inner K-loop's (schedule/tiles.py `MAX_K_BLOCK`), with
+    as many pipeline stages (up to `MAX_K_STAGES`) as shared memory holds for the widest output
+    tile (`grid_block`): one such program fills a multiprocessor's registers, so deeper stages cost
+    it no company. `inner_loops`: each loop tile runs an inner K-loop (schedule/tiles.py
+    `inner_loop_axes`), and the loop tiles are `INNER_LOOP_TILE` wide.
 
     Example:
         >>> pooling = choose(Auto(), rows=16384, cols=8192, batch=1, full_sizes={}, dtype="f16", num_sms=132,
@@ -91,6 +101,12 @@ def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: 
             block_col = min(block_col, MAX_K_BLOCK)
         warps = 8 if block_row >= 128 else 4
         stages = 3 if head <= 128 else 2
+        if k_loop and not streams:
+            out_tile = sum(n if n <= MAX_WHOLE else grid_block(block_row, True) for n in full_sizes.values())
+            stage_bytes = block_col * (block_row + out_tile) * (4 if dtype == "f32" else 2)
+            stages = max(stages, min(MAX_K_STAGES, SHARED_BYTES // stage_bytes))
+        if inner_loops and not block_mapped and dtype != "f32":
+            block_col = INNER_LOOP_TILE
         if streams:
             held_elems = math.prod(held.values())
             warps, stages = 4, 2
@@ -138,7 +154,7 @@ def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: 
         resident = math.ceil(programs * splits / num_sms)
         stage_bytes = block_col * sum(held.values()) * (4 if dtype == "f32" else 2)
         if not interpreter and resident <= 2 and resident * 3 * stage_bytes <= SHARED_BYTES:
-            stages = 3
+            stages = max(stages, 3)
     if isinstance(schedule, (Flash, SplitK)):
         block_row = schedule.block_q or block_row
         block_col = schedule.block_k or block_col

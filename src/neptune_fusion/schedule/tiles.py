@@ -32,8 +32,12 @@ from neptune_fusion.ir.program import FusedLoop, Program
 
 MAX_WHOLE = 512  # an axis at most this long is held whole in registers
 # fp32 accumulator values of one program's tile of a grid-tiled axis (rows x that axis): 64 per
-# thread at 8 warps, what a 128 x 128 matmul tile holds
+# thread at 8 warps, what a 128 x 128 matmul tile holds, where the loop computes other tiles beside
+# it (scores, probabilities); 128 per thread (128 x 256) where it only sums products of loaded
+# tiles (`sums_loaded_products`: a plain matmul's K-loop), whose operands wgmma reads from shared
+# memory: each loaded element then serves twice the products
 GRID_TILE_VALUES = 128 * 128
+ACCUMULATOR_TILE_VALUES = 128 * 256
 MAX_GRID_BLOCK = 256
 MAX_K_BLOCK = 64  # K-loop tiles: fp16 operands of 128 x 64 keep three pipeline stages in shared memory
 SHARED_BYTES = 200 * 1024
@@ -75,11 +79,35 @@ def axis_uses(program: Program) -> tuple[dict[str, tuple[str, str]], dict[str, s
     return reduced, spatial
 
 
+def sums_loaded_products(program: Program) -> bool:
+    """Whether every member of the fused program's loop sums element-wise values of loaded tiles
+    (a matmul's K-loop): no value per (row, loop) position comes from another reduction first
+    (attention's scores), so the loop tile is only a K-step and the loop holds nothing but its
+    accumulators."""
+    loops = [n for n in program.stages if isinstance(n, FusedLoop)]
+    return bool(loops) and all(isinstance(m.body, Reduce) and m.body.op == "sum"
+                               and not any(isinstance(n, Reduce) for n in walk(m.body.body))
+                               for loop in loops for m in loop.members)
+
+
+def grid_block(block_row: int, accumulators_only: bool) -> int:
+    """The widest tile of a grid-tiled axis beside `block_row` rows (before the register check)."""
+    values = ACCUMULATOR_TILE_VALUES if accumulators_only else GRID_TILE_VALUES
+    return min(MAX_GRID_BLOCK, max(16, values // block_row))
+
+
+def inner_loop_axes(program: Program, full_sizes: dict[str, int]) -> tuple[str, ...]:
+    """The full axes too long to hold that are only reduced: each is walked by an inner loop."""
+    reduced, spatial = axis_uses(program)
+    return tuple(a for a, n in full_sizes.items() if n > MAX_WHOLE and a in reduced and a not in spatial)
+
+
 def choose_tiling(program: Program, full_sizes: dict[str, int], block_row: int, block_col: int,
                   dtype_bytes: int = 2, num_stages: int = 1, num_warps: int = 4) -> AxisTiling:
     """Block sizes for the full axes of a fused program (see the module docstring). Grid tiles
     are narrowed until the loop's state fits in registers (`check_fits`)."""
     reduced, spatial = axis_uses(program)
+    widest = grid_block(block_row, sums_loaded_products(program))
     blocks: list[tuple[str, int]] = []
     grid: list[str] = []
     loops: list[str] = []
@@ -88,7 +116,7 @@ def choose_tiling(program: Program, full_sizes: dict[str, int], block_row: int, 
         if size <= MAX_WHOLE:
             blocks.append((axis, whole))
         elif axis in spatial and axis not in reduced:
-            blocks.append((axis, min(whole, MAX_GRID_BLOCK, max(16, GRID_TILE_VALUES // block_row))))
+            blocks.append((axis, min(whole, widest)))
             grid.append(axis)
         elif axis in reduced and axis not in spatial:
             # both operand tiles of a step, `num_stages` deep, within shared memory

@@ -55,7 +55,7 @@ from neptune_fusion.ir.expr import (
 )
 from neptune_fusion.ir.program import FusedLoop, Program, Stage
 from neptune_fusion.schedule.pipeline import SPLIT_AXIS
-from neptune_fusion.schedule.tiles import AxisTiling, choose_tiling
+from neptune_fusion.schedule.tiles import AxisTiling, choose_tiling, sums_loaded_products
 from neptune_fusion.tile.ir import (
     ArgSource,
     Assign,
@@ -94,9 +94,8 @@ class AxisRoles:
     streams: bool = False
     # an output is indexed by the loop axis: a second pass reads the rows again (a softmax)
     rereads: bool = False
-    # every member sums element-wise values of loaded tiles over the loop axis (a matmul's K-loop):
-    # no value per (row, loop) position comes from another reduction first (attention's scores),
-    # so the loop tile is only a K-step
+    # every member sums element-wise values of loaded tiles over the loop axis (a matmul's K-loop,
+    # schedule/tiles.py `sums_loaded_products`): the loop tile is only a K-step
     k_loop: bool = False
 
     @property
@@ -192,9 +191,8 @@ def assign_roles(program: Program) -> AxisRoles:
                                           "a member of the loop is indexed by the loop axis")
     second_pass = any(loop.axis in program.stage(spec.stage).axes for spec in program.outputs)
     streams = not rows_share_loads(loop.members, row, loop.axis, set(full))
-    k_loop = all(isinstance(m.body, Reduce) and m.body.op == "sum" and not any(isinstance(n, Reduce) for n in walk(m.body.body))
-                 for m in loop.members)
-    return AxisRoles(row, loop.axis, tuple(batch), tuple(full), tuple(epilogue), streams, second_pass, k_loop)
+    return AxisRoles(row, loop.axis, tuple(batch), tuple(full), tuple(epilogue), streams, second_pass,
+                     sums_loaded_products(program))
 
 
 def rows_share_loads(members: tuple[Stage, ...], row: str, col: str, held: set[str]) -> bool:
@@ -566,8 +564,13 @@ class KernelBuilder:
 
     def _tma_load(self, expr: Load, scalar: Expr | None, ctx: _Ctx) -> TVal | None:
         """A 2-D tile read through a tensor descriptor (the copy engine), when the load is a plain
-        [tile axis, full axis] block of a buffer whose last dimension is contiguous. Out-of-range
-        rows read as zero, so no mask is needed."""
+        [tile axis, tile axis] block of a buffer whose last dimension is contiguous. Out-of-range
+        elements read as zero, so no mask is needed.
+
+        Where every axis of the kernel is held whole, the inner axis is a held one (a head dim) and
+        the outer one the rows or the loop axis. In a kernel that tiles axes across the grid or by
+        inner loops (always Triton's: Gluon takes none of those) either axis may be any tiled one:
+        a matmul's K-steps are read by descriptors too, with no address tiles in registers."""
         if expr.buffer not in self.config.tma_buffers:
             return None
         index = expr.index
@@ -576,12 +579,15 @@ class KernelBuilder:
         if len(tiled) != 2:
             return None
         (d_outer, outer), (d_inner, inner) = tiled
-        if not (isinstance(outer, Index) and isinstance(inner, Index) and d_inner == len(index) - 1
-                and inner.axis in self.roles.full and inner.axis not in self.tiling.grid + self.tiling.loops
-                and outer.axis in (self.roles.row, self.roles.col)
-                and outer.axis in self.tile_start):
+        if not (isinstance(outer, Index) and isinstance(inner, Index) and d_inner == len(index) - 1):
             return None
-        key = ("desc", expr.buffer, outer.axis, d_outer)
+        held = [a for a in self.roles.full if a not in self.tiling.grid + self.tiling.loops]
+        if self.tiling.tiled:
+            if not all(a.axis in self.tile_start or a.axis in held for a in (outer, inner)):
+                return None
+        elif not (inner.axis in held and outer.axis in (self.roles.row, self.roles.col) and outer.axis in self.tile_start):
+            return None
+        key = ("desc", expr.buffer, outer.axis, d_outer, inner.axis)
         if key not in self.descriptors:
             base = self.emit(scalar, _Ctx({}, {}, {}, {}, False)) if scalar is not None else self.const(0)
             self.kernel_arg(f"{expr.buffer}_ptr", "pointer", ArgSource("input", expr.buffer), "ptr")
@@ -590,10 +596,16 @@ class KernelBuilder:
             self.descriptors[key] = self.op(
                 "make_desc", (), "desc", (base, self.size(outer.axis), stride), scope=self.scopes[0], prefix="desc",
                 buffer=expr.buffer, block=(self.block[outer.axis], self.block[inner.axis]),
-                inner_size=f"SIZE_{inner.axis.upper()}")
-        start = self.tile_start[outer.axis]
+                inner_size=self.size(inner.axis).name)
+        # (a held inner axis starts at 0: the load names no second coordinate)
+        starts = (self.tile_start.get(outer.axis) or self.const(0),
+                  *((self.tile_start[inner.axis],) if inner.axis in self.tile_start else ()))
         dtype = self.config.input_dtypes[expr.buffer]
-        return self.op("desc_load", (outer.axis, inner.axis), dtype, (self.descriptors[key], start), prefix="ld")
+        # the value's axes are in the kernel's canonical order; a block stored the other way round
+        # is transposed as it is read (Triton folds that into the shared-memory layout of a dot)
+        transposed = self._canon((outer.axis, inner.axis)) != (outer.axis, inner.axis)
+        return self.op("desc_load", (outer.axis, inner.axis), dtype, (self.descriptors[key], *starts), prefix="ld",
+                       **({"transposed": True} if transposed else {}))
 
     def address(self, buffer: str, index: tuple[Expr, ...]) -> tuple[Expr | None, Expr | None, set[str]]:
         """(scalar i64 offset, tile i32 offset, tile axes it depends on) of element `index` of `buffer`.
@@ -750,6 +762,7 @@ class KernelBuilder:
         var = TVal(self.fresh("k_"), (), "i32")
         block = self.block[axis]
         self.bindings[axis] = self.op("arange", (axis,), "i32", (var,), prefix="offs", block=block)
+        self.tile_start[axis] = var
         inner = _Ctx(ctx.values, ctx.placeholders, {**ctx.valid, axis: self._full_valid(axis)}, ctx.replace, True)
         self.variant_axes.add(axis)
         try:
@@ -766,6 +779,7 @@ class KernelBuilder:
         finally:
             self.variant_axes.discard(axis)
             del self.bindings[axis]
+            del self.tile_start[axis]
             self.scopes.pop()
         outer.stmts.append(Op(acc, "full", (), {"value": REDUCER_IDENTITY[expr.op]}))
         outer.stmts.append(Loop(var, self.const(0), self.size(axis), block, body,

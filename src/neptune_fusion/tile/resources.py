@@ -116,7 +116,10 @@ class LoopUse:
     inner: tuple[LoopUse, ...]
     carried: tuple[Tile, ...]
     work: Tile | None
-    work_copies: int = 2  # work tiles live at once: one per dot computing one, and one more
+    # work tiles live at once: one per dot computing one, and one more; where the work tile is a
+    # nested loop's accumulator (a K-loop's), updated in place, what is made from it (exp of the
+    # logits) is consumed by the reductions as it is made: half a tile more
+    work_copies: float = 2
 
     def shared_bytes(self, c: Mapping[str, int], stages: int, warps: int) -> int:
         wgmma = [d.on_wgmma(c, warps) for d in self.dots]
@@ -143,7 +146,7 @@ class LoopUse:
     def register_values(self, c: Mapping[str, int]) -> int:
         """fp32 values live at once in this loop's body: carried state, the work tiles, and what
         its nested loops hold on top."""
-        work = self.work_copies * self.work.elements(c) if self.work is not None else 0
+        work = int(self.work_copies * self.work.elements(c)) if self.work is not None else 0
         own = sum(t.elements(c) for t in self.carried)
         return own + max(work, max((loop.register_values(c) for loop in self.inner), default=0))
 
@@ -248,6 +251,8 @@ def footprint(kernel: TileKernel) -> Footprint:
                 and row in op.out.axes and set(op.out.axes) & axes]
         largest = max(work, key=elements, default=None)
         work_dots = sum(1 for d in ops if d.kind == "dot" and row in d.out.axes and set(d.out.axes) & axes)
+        nested = [st for st in body if isinstance(st, Loop)]
+        copies = 1.5 if nested and not any(op.kind == "dot" for op in ops) else max(2, 1 + work_dots)
         return LoopUse(
             tuple((tile(op.out), ahead) for op, ahead in loads if id(op) in dot_operands),
             tuple((tile(op.out), ahead) for op, ahead in loads if id(op) not in dot_operands),
@@ -255,7 +260,7 @@ def footprint(kernel: TileKernel) -> Footprint:
             tuple(tile(op.out, 4) for op in ops if op.kind == "reduce" and op.out.axes),
             tuple(loop_use(st) for st in body if isinstance(st, Loop)),
             tuple(tile(st.target, 4) for st in body if isinstance(st, Assign) and st.target.axes),
-            tile(largest, 4) if largest is not None else None, max(2, 1 + work_dots))
+            tile(largest, 4) if largest is not None else None, copies)
 
     top = [st for st in _walk(kernel.body) if isinstance(st, Op)]
     read_in_loops = {id(op) for d in loop_dots for op in loaded_operands(d)}
