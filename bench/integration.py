@@ -154,7 +154,12 @@ def compiled_checks() -> list[dict[str, Any]]:
                     row["ok"] = bool(row["graph_breaks"] == 0 and row["rel_err_vs_eager"] < 1e-3
                                      and row["rel_err_after_change"] < 1e-3 and row["rel_err_vs_fp32"] < 5e-3)
             except Exception as exc:  # noqa: BLE001 - a failure is the finding
-                row["error"] = f"{type(exc).__name__}: {str(exc)[:4000]}"
+                text = str(exc)
+                # a graph-pool failure's allocation history: its Python frames say where it was made
+                python_frames = [line for line in text.splitlines() if '.py"' in line]
+                row["error"] = f"{type(exc).__name__}: {text[:600]}"
+                if python_frames:
+                    row["error_python_frames"] = python_frames[-60:]
                 row["ok"] = False
             print(row, flush=True)
             rows.append(row)
