@@ -43,6 +43,16 @@ def torch_softmax_pooling(x, v):
     return (torch.softmax(x.float(), -1) * v.float()).sum(-1)
 
 
+def _cross_entropy_forwards() -> dict[str, Callable]:
+    """Liger's and Cut Cross-Entropy's per-token losses (forward only), those that import."""
+    from bench.linear_ce import baselines
+
+    return {n: f for n, f in baselines().items() if n != "torch_compile"}
+
+
+FORWARD_BASELINES: dict[str, Callable[[], dict[str, Callable]]] = {"linear_cross_entropy": _cross_entropy_forwards}
+
+
 def cases() -> list[tuple[str, Any, Callable, tuple]]:
     g = torch.Generator(device=DEVICE).manual_seed(0)
 
@@ -79,6 +89,11 @@ def main() -> None:
                 compiled(*args)
                 row["torch_compile_us"] = bench(lambda: compiled(*args))
                 row["speedup_vs_torch_compile"] = row["torch_compile_us"] / row["nf_us"]
+                if name in FORWARD_BASELINES:  # other systems' forward of the same loss, where importable
+                    for system, loss in FORWARD_BASELINES[name]().items():
+                        row[f"{system}_rel_err_vs_fp32"] = rel_err(loss(*args).float(), ref)
+                        row[f"{system}_us"] = bench(lambda: loss(*args))
+                        row[f"speedup_vs_{system}"] = row[f"{system}_us"] / row["nf_us"]
                 if nf_before is not None:
                     earlier = nf_before.compile(getattr(before_library, name))
                     row["before_rel_err_vs_fp32"] = rel_err(earlier(*args).float(), ref)
