@@ -154,8 +154,8 @@ def test_torch_compile_fullgraph_no_graph_break_and_eager_result(randn):
 
 def test_opcheck_on_the_registered_ops(attn_inputs):
     q, k, v = attn_inputs(1, H, 24, 24, 16)
-    handle, paths, _ = _static_handle(alibi, causal, tuple(nf.integrations.attention.Builtins()), (True, False),
-                                      False, None)
+    handle, paths, _ = _static_handle(alibi, None, causal, None, tuple(nf.integrations.attention.Builtins()),
+                                      (True, False), False, None)
     captures = [SLOPES]
     assert len(paths) == len(captures)
     torch.library.opcheck(_flex_attention_op, (q, k, v, captures, handle, 0.25))
@@ -324,6 +324,29 @@ class _Biased(torch.nn.Module):
 
     def global_bias(self, score, b, h, q_idx, kv_idx):
         return score + BIAS[h]
+
+
+class _MethodLayer(_Biased):
+    def forward(self, q, k, v):
+        return nf.attention(q, k, v, score_mod=self.soft, mask_mod=causal)
+
+
+def test_torch_compile_of_a_module_whose_score_mod_is_its_own_method(attn_inputs):
+    """`score_mod=self.soft` inside the compiled forward: one graph, no break, the eager result; a
+    buffer the method reads written in place and a float attribute changed are both seen."""
+    q, k, v = attn_inputs(1, H, 24, 24, 16)
+    m = _MethodLayer()
+    with torch.no_grad():
+        explained = torch._dynamo.explain(m)(q, k, v)
+        assert explained.graph_break_count == 0 and explained.graph_count == 1
+        compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
+        torch.testing.assert_close(compiled(q, k, v), m(q, k, v), atol=1e-5, rtol=1e-5)
+        m.slopes.mul_(3.0)
+        torch.testing.assert_close(compiled(q, k, v), m(q, k, v), atol=1e-5, rtol=1e-5)
+        m.cap = 1.0
+        keep = torch.arange(24)[:, None] >= torch.arange(24)
+        want = dense(q, k, v, 0.25, score=lambda s: torch.tanh(s) + m.slopes[:, None, None], keep=keep)
+        torch.testing.assert_close(compiled(q, k, v), want, atol=2e-5, rtol=1e-4)
 
 
 def test_a_bound_method_as_score_mod_is_one_cache_entry_and_sees_its_object(attn_inputs):

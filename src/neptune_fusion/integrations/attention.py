@@ -768,14 +768,30 @@ _handles: list[_Handle] = []
 _handle_of: dict[Any, int] = {}
 
 
+def _as_constants(mod: Any) -> tuple[Any, Any]:
+    """A mod as torch.compile can pass it to `_static_handle`: (function, None), or a bound method
+    (`score_mod=self.alibi`) as (its function, its object), which torch.compile passes as constants
+    where it cannot pass the bound method itself."""
+    if isinstance(mod, types.MethodType):
+        return mod.__func__, mod.__self__
+    return mod, None
+
+
+def _rebound(fn: Any, obj: Any) -> Any:
+    return fn if obj is None else types.MethodType(fn, obj)
+
+
 @torch._dynamo.assume_constant_result
-def _static_handle(score_mod: Any, mask_mod: Any, builtins: tuple[Any, ...], outputs: tuple[bool, ...],
-                   enable_gqa: bool, schedule: Any) -> tuple[int, tuple[Path, ...], tuple[str, ...]]:
+def _static_handle(score_mod: Any, score_self: Any, mask_mod: Any, mask_self: Any, builtins: tuple[Any, ...],
+                   outputs: tuple[bool, ...], enable_gqa: bool, schedule: Any) -> tuple[int, tuple[Path, ...],
+                                                                                       tuple[str, ...]]:
     """A handle for what the op needs apart from tensors, the paths from the mods to the tensors
     they capture (torch.compile follows them, so each call passes the current ones) and their
     names for error messages. Runs once per compilation: torch.compile keeps the result (the
-    request comes in flat: torch.compile passes plain tuples and functions as constants)."""
-    request = _Request(score_mod, mask_mod, Builtins(*builtins), Outputs(*outputs), enable_gqa, schedule)
+    request comes in flat: torch.compile passes plain tuples and functions as constants, and a bound
+    method as its function and its object, `_as_constants`)."""
+    request = _Request(_rebound(score_mod, score_self), _rebound(mask_mod, mask_self), Builtins(*builtins),
+                       Outputs(*outputs), enable_gqa, schedule)
     keyed = _keys(request)
     fns, walk = keyed
     key = (fns, request)
@@ -829,8 +845,9 @@ def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, captures: lis
 def _run_compiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: _Request,
                   extras: tuple[torch.Tensor, ...], scale: float) -> tuple[torch.Tensor, ...]:
     """The call as torch.compile traces it: the captured tensors become inputs of one op."""
-    handle, paths, names = _static_handle(request.score_mod, request.mask_mod, tuple(request.builtins),
-                                          tuple(request.outputs), request.enable_gqa, request.schedule)
+    handle, paths, names = _static_handle(*_as_constants(request.score_mod), *_as_constants(request.mask_mod),
+                                          tuple(request.builtins), tuple(request.outputs), request.enable_gqa,
+                                          request.schedule)
     mods = (request.score_mod, request.mask_mod)
     captured = [_follow(mods, p) for p in paths]
     found = [*captured, *extras]
