@@ -1,0 +1,119 @@
+"""A random sweep of the programs that are not attention on the GPU: matmuls, norm -> matmul,
+linear -> logsumexp, linear cross-entropy, softmax pooling, at sizes drawn so that no axis need be
+a multiple of any block (K-steps, grid tiles and loop tiles with ragged last tiles, read through
+tensor descriptors where the strides allow), in fp16 and bf16, each against fp32 torch on random
+inputs. Cases whose rows are not 16-byte aligned read through pointers (the descriptor check).
+
+    python bench/general_check.py [--cases 40] [--seed 0]   (GPU machine; writes $OUT/general_check.json)
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from typing import Any, Callable
+
+import torch
+
+import neptune_fusion as nf
+from bench.common import environment, rel_err, write_results
+from neptune_fusion.library import (
+    layernorm_matmul,
+    linear_cross_entropy,
+    linear_logsumexp,
+    rmsnorm_matmul,
+    softmax_pooling,
+)
+
+TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 3e-2}
+
+
+@nf.program
+def matmul(x, w):
+    """x @ w, written as an einsum."""
+    return nf.einsum("ik,ke->ie", x, w)
+
+
+@nf.program
+def centred_matmul(x, c, w):
+    """(x - c) @ w with c a per-row input: the distributed contraction."""
+    return nf.einsum("ik,ke->ie", x - c[:, None], w)
+
+
+def _torch_norm(x: torch.Tensor, centred: bool) -> torch.Tensor:
+    if centred:
+        return (x - x.mean(-1, keepdim=True)) / torch.sqrt(x.var(-1, unbiased=False, keepdim=True) + 1e-5)
+    return x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-6)
+
+
+# name -> (program, (rows, inner, cols) -> float inputs, fp32 reference of the float inputs)
+PROGRAMS: dict[str, tuple[Any, Callable[..., tuple[torch.Tensor, ...]], Callable[..., torch.Tensor]]] = {
+    "matmul": (matmul, lambda g, m, k, n: (g(m, k), g(k, n) * k ** -0.5), lambda x, w: x @ w),
+    "centred_matmul": (centred_matmul, lambda g, m, k, n: (g(m, k) + 3.0, g(m) + 3.0, g(k, n) * k ** -0.5),
+                       lambda x, c, w: (x - c[:, None]) @ w),
+    "rmsnorm_matmul": (rmsnorm_matmul, lambda g, m, k, n: (g(m, k), g(k, n) * k ** -0.5),
+                       lambda x, w: _torch_norm(x, False) @ w),
+    "layernorm_matmul": (layernorm_matmul, lambda g, m, k, n: (g(m, k) * 2.0 + 1.0, g(k, n) * k ** -0.5),
+                         lambda x, w: _torch_norm(x, True) @ w),
+    "linear_logsumexp": (linear_logsumexp, lambda g, m, k, n: (g(m, k), g(n, k) * 0.05),
+                         lambda h, w: torch.logsumexp(h @ w.T, -1)),
+    "softmax_pooling": (softmax_pooling, lambda g, m, k, n: (g(m, k) * 2.0, g(m, k)),
+                        lambda x, v: (torch.softmax(x, -1) * v).sum(-1)),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", type=int, default=40)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+    gen = torch.Generator(device="cuda").manual_seed(args.seed)
+    rows: list[dict[str, Any]] = []
+    start = time.time()
+    names = [*PROGRAMS, "linear_cross_entropy"]
+    for case in range(args.cases):
+        name = names[case % len(names)]
+        dtype = rng.choice([torch.float16, torch.bfloat16])
+        m, k, n = rng.randint(1, 3000), rng.randint(1, 3000), rng.randint(1, 3000)
+        if rng.random() < 0.5:  # 16-byte-aligned rows: the descriptor reads
+            k, n = -(-k // 8) * 8, -(-n // 8) * 8
+        row: dict[str, Any] = {"case": case, "program": name, "dtype": str(dtype).split(".")[-1], "m": m, "k": k, "n": n}
+
+        def randn(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=gen, device="cuda")
+
+        try:
+            if name == "linear_cross_entropy":
+                h, w = randn(m, k), randn(n, k) * 0.05
+                target = torch.randint(-1, n, (m,), generator=gen, device="cuda")
+                inputs = (h.to(dtype), w.to(dtype), target)
+                hf, wf = inputs[0].float(), inputs[1].float()
+                kept = (target >= 0) & (target < n)
+                ref = torch.nn.functional.cross_entropy(hf @ wf.T, target.clamp(min=0), reduction="none") * kept
+                prog = linear_cross_entropy
+            else:
+                prog, make, plain = PROGRAMS[name]
+                floats = make(randn, m, k, n)
+                inputs = tuple(t.to(dtype) for t in floats)
+                ref = plain(*(t.float() for t in inputs))
+            with torch.no_grad():
+                out = nf.compile(prog)(*inputs)
+            torch.cuda.synchronize()
+            row["rel_err_vs_fp32"] = rel_err(out.float(), ref.float())
+            row["ok"] = bool(torch.isfinite(out.float()).all()) and row["rel_err_vs_fp32"] < TOLERANCE[dtype]
+        except Exception as exc:  # noqa: BLE001 - a failure is the finding
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
+            row["ok"] = False
+        print(row, flush=True)
+        rows.append(row)
+        torch.cuda.empty_cache()
+    ok = sum(r["ok"] for r in rows)
+    summary = {"cases": len(rows), "ok": ok, "seconds": round(time.time() - start, 1)}
+    print(summary)
+    print("wrote", write_results("general_check", {"environment": environment(), "summary": summary, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
