@@ -241,7 +241,15 @@ def _partition_cached(program: Program, long_axes: frozenset[str] = frozenset(),
 
 
 def narrow_inputs(program: Program, args: dict[str, Any]) -> frozenset[str]:
-    """The inputs these arguments store as 16-bit floats (transform/distribute.py)."""
+    """The inputs these arguments store as 16-bit floats (transform/distribute.py).
+
+    Example:
+        >>> import torch
+        >>> from neptune_fusion.library import rmsnorm_matmul
+        >>> x, w = torch.randn(4, 8).half(), torch.randn(8, 2)
+        >>> sorted(narrow_inputs(rmsnorm_matmul.trace(x, w), {"x": x, "w": w}))
+        ['x']
+    """
     return frozenset(b.name for b in program.inputs
                      if isinstance(args.get(b.name), torch.Tensor) and args[b.name].dtype in (torch.float16, torch.bfloat16))
 

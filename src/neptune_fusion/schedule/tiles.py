@@ -83,7 +83,15 @@ def sums_loaded_products(program: Program) -> bool:
     """Whether every member of the fused program's loop sums element-wise values of loaded tiles
     (a matmul's K-loop): no value per (row, loop) position comes from another reduction first
     (attention's scores), so the loop tile is only a K-step and the loop holds nothing but its
-    accumulators."""
+    accumulators.
+
+    Example:
+        >>> import torch, neptune_fusion as nf
+        >>> from neptune_fusion.schedule.pipeline import fuse
+        >>> mm = nf.program(lambda x, w: nf.einsum("ik,ke->ie", x, w))
+        >>> sums_loaded_products(fuse(mm.trace(torch.randn(4, 8), torch.randn(8, 2)))[-1].program)
+        True
+    """
     loops = [n for n in program.stages if isinstance(n, FusedLoop)]
     return bool(loops) and all(isinstance(m.body, Reduce) and m.body.op == "sum"
                                and not any(isinstance(n, Reduce) for n in walk(m.body.body))
@@ -91,13 +99,27 @@ def sums_loaded_products(program: Program) -> bool:
 
 
 def grid_block(block_row: int, accumulators_only: bool) -> int:
-    """The widest tile of a grid-tiled axis beside `block_row` rows (before the register check)."""
+    """The widest tile of a grid-tiled axis beside `block_row` rows (before the register check).
+
+    Example:
+        >>> grid_block(128, accumulators_only=True), grid_block(128, accumulators_only=False)
+        (256, 128)
+    """
     values = ACCUMULATOR_TILE_VALUES if accumulators_only else GRID_TILE_VALUES
     return min(MAX_GRID_BLOCK, max(16, values // block_row))
 
 
 def inner_loop_axes(program: Program, full_sizes: dict[str, int]) -> tuple[str, ...]:
-    """The full axes too long to hold that are only reduced: each is walked by an inner loop."""
+    """The full axes too long to hold that are only reduced: each is walked by an inner loop.
+
+    Example:
+        >>> import torch
+        >>> from neptune_fusion.library import linear_logsumexp
+        >>> from neptune_fusion.schedule.pipeline import fuse
+        >>> fused = fuse(linear_logsumexp.trace(torch.randn(4, 8), torch.randn(6, 8)))[-1].program
+        >>> inner_loop_axes(fused, {"d": 4096})
+        ('d',)
+    """
     reduced, spatial = axis_uses(program)
     return tuple(a for a, n in full_sizes.items() if n > MAX_WHOLE and a in reduced and a not in spatial)
 

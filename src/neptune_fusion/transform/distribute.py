@@ -33,18 +33,10 @@ Example:
 
 from __future__ import annotations
 
-from neptune_fusion.ir.expr import Binary, Cast, Const, Expr, Index, Load, Reduce, Unary, free_axes, loads_of
+from neptune_fusion.ir.expr import Binary, Cast, Expr, Index, Load, Reduce, Unary, free_axes, loads_of
 from neptune_fusion.ir.program import Node, Program, Stage
 from neptune_fusion.transform.inline import inline_elementwise_into
-
-
-def _factors(expr: Expr) -> list[tuple[Expr, bool]]:
-    """A product / quotient tree as (factor, is_divisor) pairs."""
-    if isinstance(expr, Binary) and expr.op == "mul":
-        return _factors(expr.a) + _factors(expr.b)
-    if isinstance(expr, Binary) and expr.op == "div":
-        return _factors(expr.a) + [(f, not inv) for f, inv in _factors(expr.b)]
-    return [(expr, False)]
+from neptune_fusion.transform.normalize import factors_of, product_of
 
 
 def _terms(expr: Expr, sign: bool = True) -> list[tuple[bool, Expr]]:
@@ -63,16 +55,6 @@ def _loaded(expr: Expr, narrow: frozenset[str]) -> bool:
     return isinstance(expr, Load) and expr.buffer in narrow and all(isinstance(i, Index) for i in expr.index)
 
 
-def _product(factors: list[tuple[Expr, bool]]) -> Expr:
-    out: Expr | None = None
-    for f, inv in factors:
-        if inv:
-            out = Binary("div", Const(1.0) if out is None else out, f)
-        else:
-            out = f if out is None else Binary("mul", out, f)
-    return Const(1.0) if out is None else out
-
-
 def _signed_sum(terms: list[tuple[bool, Expr]]) -> Expr:
     out: Expr | None = None
     for positive, t in terms:
@@ -87,7 +69,7 @@ def _signed_sum(terms: list[tuple[bool, Expr]]) -> Expr:
 def _distributed(stage: Stage, body: Reduce, inputs: set[str], narrow: frozenset[str]) -> list[Stage] | None:
     """The stages replacing `stage` (a sum over body.axis), or None where the rewrite does not apply."""
     axis = body.axis
-    factors = _factors(body.body)
+    factors = factors_of(body.body)
     varying = [(f, inv) for f, inv in factors if axis in free_axes(f)]
     constant = [(f, inv) for f, inv in factors if axis not in free_axes(f)]
     for j, (operand, inv) in enumerate(varying):
@@ -102,14 +84,14 @@ def _distributed(stage: Stage, body: Reduce, inputs: set[str], narrow: frozenset
                 or not all(loads_of(t) <= inputs for _, t in staying)):
             continue
         positive, kept = moving[0]
-        rest = _product(others)
+        rest = product_of(others)
         basis_axes = tuple(a for a in stage.axes if a in free_axes(rest))
         main = Stage(f"{stage.name}_main", stage.axes, Reduce("sum", axis, Binary("mul", kept, rest)))
         basis = Stage(f"{stage.name}_basis", basis_axes, Reduce("sum", axis, rest))
         main_value: Expr = Load(main.name, tuple(Index(a) for a in stage.axes))
         combined = Binary("add", main_value if positive else Unary("neg", main_value),
                           Binary("mul", _signed_sum(staying), Load(basis.name, tuple(Index(a) for a in basis_axes))))
-        return [main, basis, Stage(stage.name, stage.axes, _product([(combined, False), *constant]))]
+        return [main, basis, Stage(stage.name, stage.axes, product_of([(combined, False), *constant]))]
     return None
 
 

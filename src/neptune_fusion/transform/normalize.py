@@ -24,16 +24,30 @@ from neptune_fusion.ir.expr import Binary, Const, Expr, Index, Load, Reduce, Whe
 from neptune_fusion.ir.program import Node, Program, Stage
 
 
-def _factors(expr: Expr) -> list[tuple[Expr, bool]]:
-    """Flatten a product/quotient tree into (factor, is_divisor) pairs."""
+def factors_of(expr: Expr) -> list[tuple[Expr, bool]]:
+    """Flatten a product/quotient tree into (factor, is_divisor) pairs.
+
+    Example:
+        >>> from neptune_fusion.ir.expr import Param
+        >>> [(f.name, inv) for f, inv in factors_of(Binary("div", Binary("mul", Param("a"), Param("b")), Param("c")))]
+        [('a', False), ('b', False), ('c', True)]
+    """
     if isinstance(expr, Binary) and expr.op == "mul":
-        return _factors(expr.a) + _factors(expr.b)
+        return factors_of(expr.a) + factors_of(expr.b)
     if isinstance(expr, Binary) and expr.op == "div":
-        return _factors(expr.a) + [(f, not inv) for f, inv in _factors(expr.b)]
+        return factors_of(expr.a) + [(f, not inv) for f, inv in factors_of(expr.b)]
     return [(expr, False)]
 
 
-def _product(factors: list[tuple[Expr, bool]]) -> Expr:
+def product_of(factors: list[tuple[Expr, bool]]) -> Expr:
+    """The product of `factors` ((factor, is_divisor) pairs), the divisors last.
+
+    Example:
+        >>> from neptune_fusion.ir.expr import Param
+        >>> from neptune_fusion.ir.printer import format_expr
+        >>> format_expr(product_of([(Param("c"), True), (Param("a"), False)]))
+        'a / c'
+    """
     num = [f for f, inv in factors if not inv]
     den = [f for f, inv in factors if inv]
     out: Expr = num[0] if num else Const(1.0)
@@ -67,13 +81,13 @@ def _open_guards(factors: list[tuple[Expr, bool]], axis: str, program: Program) 
             out.append((f, inv))
             continue
         assert isinstance(f, Where)
-        guarded = _factors(f.b if zero_first else f.a)
+        guarded = factors_of(f.b if zero_first else f.a)
         inner = [(g, i) for g, i in guarded if _depends_on(g, axis, program)]
         outer = [(g, i) for g, i in guarded if not _depends_on(g, axis, program)]
         if not inner or not outer or not all(not i and _input_value(g, program) for g, i in inner):
             out.append((f, inv))
             continue
-        rest = _product(outer)
+        rest = product_of(outer)
         out += [*inner, (Where(f.cond, f.a, rest) if zero_first else Where(f.cond, rest, f.b), False)]
     return out
 
@@ -86,7 +100,7 @@ def hoist_invariant_factors(program: Program) -> Program:
             stages.append(node)
             continue
         red = node.body
-        factors = _open_guards(_factors(red.body), red.axis, program)
+        factors = _open_guards(factors_of(red.body), red.axis, program)
         inner = [(f, inv) for f, inv in factors if _depends_on(f, red.axis, program)]
         outer = [(f, inv) for f, inv in factors if not _depends_on(f, red.axis, program)]
         # Only worth it when a factor actually reads something (not a bare constant).
@@ -94,7 +108,7 @@ def hoist_invariant_factors(program: Program) -> Program:
             stages.append(node)
             continue
         acc_name = f"{node.name}_acc"
-        stages.append(Stage(acc_name, node.axes, Reduce("sum", red.axis, _product(inner))))
+        stages.append(Stage(acc_name, node.axes, Reduce("sum", red.axis, product_of(inner))))
         acc = Load(acc_name, tuple(Index(a) for a in node.axes))
-        stages.append(Stage(node.name, node.axes, _product([(acc, False)] + outer)))
+        stages.append(Stage(node.name, node.axes, product_of([(acc, False)] + outer)))
     return program.with_stages(stages)
