@@ -467,7 +467,8 @@ def test_matmul_plans_take_wide_output_tiles_and_deep_pipelines():
     """For the GPU: a loop that only sums loaded products (a matmul) takes 128 x 256 output tiles
     (its accumulators are all the loop holds) and as many K-stages as shared memory holds; a loop
     whose tiles each run an inner K-loop (a linear cross-entropy's vocabulary loop) takes 256-wide
-    loop tiles, since it reads its rows' operand again for every loop tile."""
+    loop tiles where it reads its rows' operand again for every loop tile from HBM (more than L2
+    holds)."""
     from neptune_fusion.schedule.auto import INNER_LOOP_TILE, MAX_K_STAGES
     from neptune_fusion.schedule.tiles import ACCUMULATOR_TILE_VALUES, GRID_TILE_VALUES, grid_block
 
@@ -477,10 +478,13 @@ def test_matmul_plans_take_wide_output_tiles_and_deep_pipelines():
     matmul_plan = choose(Auto(), k_loop=True, **common)
     assert (matmul_plan.block_row, matmul_plan.block_col, matmul_plan.num_stages) == (128, 64, MAX_K_STAGES)
     assert choose(Auto(), **common).num_stages == 3  # attention keeps its pipeline
-    vocab = dict(common, rows=8192, cols=128256, full_sizes={"d": 4096})
-    assert choose(Auto(), inner_loops=True, **vocab).block_col == INNER_LOOP_TILE
-    assert choose(Auto(), inner_loops=True, **dict(vocab, dtype="f32")).block_col < INNER_LOOP_TILE
-    assert choose(Auto(), inner_loops=True, **dict(vocab, interpreter=True)).block_col == 32
+    vocab = dict(common, rows=8192, cols=128256, batch=1, full_sizes={"d": 4096})
+    assert choose(Auto(), inner_loop_length=4096, **vocab).block_col == INNER_LOOP_TILE
+    assert choose(Auto(), inner_loop_length=4096, **dict(vocab, dtype="f32")).block_col < INNER_LOOP_TILE
+    assert choose(Auto(), inner_loop_length=4096, **dict(vocab, interpreter=True)).block_col == 32
+    # a wave of programs re-reading less than L2 holds (a head dim of 1024 over 132 row tiles) keeps its tiles
+    heads = dict(common, rows=4096, cols=4096, batch=32, full_sizes={"d": 1024})
+    assert choose(Auto(), inner_loop_length=1024, **heads).block_col < INNER_LOOP_TILE
 
 
 @nf.program

@@ -552,7 +552,7 @@ class Compiled:
                               batch=batch * programs_per_row_tile, full_sizes=full_sizes, dtype=main_dtype,
                               num_sms=_num_sms(device), interpreter=interpreter, block_mapped=use_block_map,
                               streams=roles.streams, rereads=roles.rereads, k_loop=roles.k_loop,
-                              inner_loops=bool(inner_loop_axes(fused, full_sizes)))
+                              inner_loop_length=sum(full_sizes[a] for a in inner_loop_axes(fused, full_sizes)))
 
             plan = plan_for(1)
             # the tiles of grid-tiled axes are programs too: split-K only where all of them leave the
@@ -633,7 +633,7 @@ class Compiled:
                                full_sizes=full_sizes, dtype=main_dtype, num_sms=_num_sms(device),
                                interpreter=interpreter, block_mapped=use_block_map,
                                streams=roles.streams, rereads=roles.rereads, k_loop=roles.k_loop,
-                              inner_loops=bool(inner_loop_axes(fused, full_sizes)))
+                              inner_loop_length=sum(full_sizes[a] for a in inner_loop_axes(fused, full_sizes)))
                 exe = self.executable_for(program, args, flash, options)
                 self._cache[key] = exe
                 return exe

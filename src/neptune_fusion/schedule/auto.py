@@ -30,10 +30,12 @@ STREAM_THREAD_ELEMENTS = 16
 STREAM_ROWS = 16  # the fewest rows a tile is laid out with
 
 # a loop whose every tile runs an inner K-loop re-reads its rows' operand (too long to keep in the
-# program) from memory for each loop tile, so each element read serves `block_col` products: the
-# H100 / H200's ~1000 dense TFLOP/s over ~4.8 TB/s of HBM asks for about 200, and the loop tiles
-# are this wide (a linear cross-entropy's vocabulary tiles)
+# program) for each loop tile; where one wave of programs re-reads more than L2 holds, those reads
+# come from HBM and each element read serves `block_col` products: the H100 / H200's ~1000 dense
+# TFLOP/s over ~4.8 TB/s of HBM asks for about 200, and the loop tiles are this wide (a linear
+# cross-entropy's vocabulary tiles)
 INNER_LOOP_TILE = 256
+L2_BYTES = 50 * 2**20  # H100's L2 (the H200 has 60 MB)
 MAX_K_STAGES = 4  # pipeline stages of a matmul's K-loop when shared memory holds them
 
 
@@ -59,7 +61,7 @@ def _pow2_at_least(n: int, lo: int = 16) -> int:
 
 def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: dict[str, int], dtype: str,
            num_sms: int, interpreter: bool, block_mapped: bool = False, streams: bool = False,
-           rereads: bool = False, k_loop: bool = False, inner_loops: bool = False) -> Plan:
+           rereads: bool = False, k_loop: bool = False, inner_loop_length: int = 0) -> Plan:
     """Resolve `schedule` for these sizes (rows: tiled axis, cols: reduced axis, batch: programs per row tile).
 
     `block_mapped`: tiles are visited from a run-time block map (under split-K each split takes a
@@ -71,8 +73,9 @@ def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: 
     tile is a matmul's K-step, as wide as an inner K-loop's (schedule/tiles.py `MAX_K_BLOCK`), with
     as many pipeline stages (up to `MAX_K_STAGES`) as shared memory holds for the widest output
     tile (`grid_block`): one such program fills a multiprocessor's registers, so deeper stages cost
-    it no company. `inner_loops`: each loop tile runs an inner K-loop (schedule/tiles.py
-    `inner_loop_axes`), and the loop tiles are `INNER_LOOP_TILE` wide.
+    it no company. `inner_loop_length`: each loop tile runs inner K-loops over this many elements
+    (schedule/tiles.py `inner_loop_axes`); where a wave of programs re-reads more of the rows'
+    operand than L2 holds, the loop tiles are `INNER_LOOP_TILE` wide.
 
     Example:
         >>> pooling = choose(Auto(), rows=16384, cols=8192, batch=1, full_sizes={}, dtype="f16", num_sms=132,
@@ -105,7 +108,8 @@ def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: 
             out_tile = sum(n if n <= MAX_WHOLE else grid_block(block_row, True) for n in full_sizes.values())
             stage_bytes = block_col * (block_row + out_tile) * (4 if dtype == "f32" else 2)
             stages = max(stages, min(MAX_K_STAGES, SHARED_BYTES // stage_bytes))
-        if inner_loops and not block_mapped and dtype != "f32":
+        wave = min(math.ceil(rows / block_row) * batch, num_sms)
+        if inner_loop_length and not block_mapped and dtype != "f32" and wave * block_row * inner_loop_length * 2 > L2_BYTES:
             block_col = INNER_LOOP_TILE
         if streams:
             held_elems = math.prod(held.values())
