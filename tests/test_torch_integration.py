@@ -174,7 +174,7 @@ def test_opcheck_on_the_registered_ops(attn_inputs):
         torch.testing.assert_close(compiled(x), torch.softmax(x, -1) + 1, atol=1e-6, rtol=1e-5)
     from neptune_fusion.integrations.ops import _handle, _program_op
 
-    program_handle, _ = _handle(fn, 1, (), ("tensor",))
+    program_handle, _ = _handle(id(fn), 1, (), ("tensor",))
     torch.library.opcheck(_program_op, ([x], [], [], program_handle))
 
 
@@ -347,6 +347,23 @@ def test_torch_compile_of_a_module_whose_score_mod_is_its_own_method(attn_inputs
         keep = torch.arange(24)[:, None] >= torch.arange(24)
         want = dense(q, k, v, 0.25, score=lambda s: torch.tanh(s) + m.slopes[:, None, None], keep=keep)
         torch.testing.assert_close(compiled(q, k, v), want, atol=2e-5, rtol=1e-4)
+        other = _MethodLayer()  # another object of the class: its own attributes, not the first one's
+        other.cap = 0.5
+        torch.testing.assert_close(torch.compile(other, fullgraph=True, backend="aot_eager")(q, k, v), other(q, k, v),
+                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(compiled(q, k, v), want, atol=2e-5, rtol=1e-4)
+        holder = types.SimpleNamespace(layer=m)
+
+        class Plain:  # a method of an object that is not a module
+            scale = 2.0
+
+            def bias(self, score, b, h, q_idx, kv_idx):
+                return score * self.scale + holder.layer.slopes[h]
+
+        plain = Plain()
+        call = torch.compile(lambda q, k, v: nf.attention(q, k, v, score_mod=plain.bias), fullgraph=True,
+                             backend="aot_eager")
+        torch.testing.assert_close(call(q, k, v), nf.attention(q, k, v, score_mod=plain.bias), atol=1e-5, rtol=1e-5)
 
 
 def test_a_bound_method_as_score_mod_is_one_cache_entry_and_sees_its_object(attn_inputs):

@@ -71,7 +71,7 @@ from neptune_fusion.lang.tensor import SymTensor, broadcast, cast, lift
 from neptune_fusion.lang.torch_function import CaptureTable
 from neptune_fusion.lang.trace import ArgSpec, ProgramDef, trace
 from neptune_fusion.runtime.compiled import Compiled
-from neptune_fusion.runtime.state import CALL_STATE, in_cudagraph_tree, private_state
+from neptune_fusion.runtime.state import CALL_STATE, in_cudagraph_tree, object_of, private_state
 from neptune_fusion.schedule.templates import Auto, Flash, Schedule, SplitK
 
 __all__ = ["AuxOutput", "Builtins", "attend", "attention", "attention_inputs", "attention_program", "clear_cache",
@@ -768,28 +768,30 @@ _handles: list[_Handle] = []
 _handle_of: dict[Any, int] = {}
 
 
-def _as_constants(mod: Any) -> tuple[Any, Any]:
+def _as_constants(mod: Any) -> tuple[Any, int | None]:
     """A mod as torch.compile can pass it to `_static_handle`: (function, None), or a bound method
-    (`score_mod=self.alibi`) as (its function, its object), which torch.compile passes as constants
-    where it cannot pass the bound method itself."""
+    (`score_mod=self.alibi`) as (its function, the id of its object). torch.compile passes neither
+    the bound method nor a module as a constant, but it does pass an object's id (and guards on
+    that object's identity, so another object traces again)."""
     if isinstance(mod, types.MethodType):
-        return mod.__func__, mod.__self__
+        return mod.__func__, id(mod.__self__)
     return mod, None
 
 
-def _rebound(fn: Any, obj: Any) -> Any:
-    return fn if obj is None else types.MethodType(fn, obj)
+def _rebound(fn: Any, obj_id: int | None) -> Any:
+    """The mod `_as_constants` took apart. The object is alive: the call being traced holds it."""
+    return fn if obj_id is None else types.MethodType(fn, object_of(obj_id))
 
 
 @torch._dynamo.assume_constant_result
-def _static_handle(score_mod: Any, score_self: Any, mask_mod: Any, mask_self: Any, builtins: tuple[Any, ...],
+def _static_handle(score_mod: Any, score_self: int | None, mask_mod: Any, mask_self: int | None, builtins: tuple[Any, ...],
                    outputs: tuple[bool, ...], enable_gqa: bool, schedule: Any) -> tuple[int, tuple[Path, ...],
                                                                                        tuple[str, ...]]:
     """A handle for what the op needs apart from tensors, the paths from the mods to the tensors
     they capture (torch.compile follows them, so each call passes the current ones) and their
     names for error messages. Runs once per compilation: torch.compile keeps the result (the
     request comes in flat: torch.compile passes plain tuples and functions as constants, and a bound
-    method as its function and its object, `_as_constants`)."""
+    method as its function and its object's id, `_as_constants`)."""
     request = _Request(_rebound(score_mod, score_self), _rebound(mask_mod, mask_self), Builtins(*builtins),
                        Outputs(*outputs), enable_gqa, schedule)
     keyed = _keys(request)

@@ -32,7 +32,7 @@ from neptune_fusion.lang.trace import FixedProgram
 from neptune_fusion.runtime import compiled as _compiled
 from neptune_fusion.runtime.compiled import Compiled, install_allocator, output_specs
 from neptune_fusion.runtime.reference import axis_extents, run_reference
-from neptune_fusion.runtime.state import in_cudagraph_tree, private_state
+from neptune_fusion.runtime.state import in_cudagraph_tree, object_of, private_state
 from neptune_fusion.schedule.materialise import (
     Contraction,
     Materialised,
@@ -358,12 +358,14 @@ _entries: list[_Entry] = []
 
 
 @torch._dynamo.assume_constant_result
-def training_handle(fn: Compiled, names: tuple[str, ...], kinds: tuple[str, ...], wrt: tuple[str, ...],
+def training_handle(fn_id: int, names: tuple[str, ...], kinds: tuple[str, ...], wrt: tuple[str, ...],
                      shapes: tuple[tuple[int, ...], ...], dtypes: tuple[str, ...], numbers: tuple[Any, ...]) -> int:
     """The handle of (function, call layout, wrt) with its derived backward: traced and derived
-    once, outside torch.compile's tracing (SymPy proves what it needs there). The handles of a
-    function live on it, so a function made later (at the address of one collected) never gets
-    another's backward, and a backward that fails to derive leaves no handle behind."""
+    once, outside torch.compile's tracing (SymPy proves what it needs there). The compiled function
+    comes as its id (runtime/state.py `object_of`). The handles of a function live on it, so a
+    function made later (at the address of one collected) never gets another's backward, and a
+    backward that fails to derive leaves no handle behind."""
+    fn: Compiled = object_of(fn_id)
     key = (names, kinds, wrt, shapes, dtypes, numbers)
     if key not in fn.training_handles:
         examples = iter(torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
@@ -479,7 +481,7 @@ def handle_for(fn: Compiled, named: dict[str, Any]) -> int:
     require grad."""
     tensors = [v for v in named.values() if isinstance(v, torch.Tensor)]
     wrt = tuple(n for n, v in named.items() if isinstance(v, torch.Tensor) and v.requires_grad and v.is_floating_point())
-    return training_handle(fn, tuple(named), argument_kinds(tuple(named.values())), wrt,
+    return training_handle(id(fn), tuple(named), argument_kinds(tuple(named.values())), wrt,
                            tuple(tuple(t.shape) for t in tensors), tuple(str(t.dtype).split(".")[-1] for t in tensors),
                            tuple(v for v in named.values() if not isinstance(v, torch.Tensor)))
 

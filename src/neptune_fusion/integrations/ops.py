@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from neptune_fusion.runtime import compiled as _compiled
 from neptune_fusion.runtime.compiled import Compiled, output_specs
-from neptune_fusion.runtime.state import in_cudagraph_tree, private_state
+from neptune_fusion.runtime.state import in_cudagraph_tree, object_of, private_state
 
 __all__ = ["argument_kinds", "call_in_graph", "is_eager", "run_kernels"]
 
@@ -34,8 +34,10 @@ _handle_of: dict[tuple[int, tuple[str, ...], tuple[str, ...]], int] = {}
 
 
 @torch._dynamo.assume_constant_result
-def _handle(fn: Compiled, positional: int, keywords: tuple[str, ...], kinds: tuple[str, ...]) -> tuple[int, tuple[str, ...]]:
-    """A handle for (function, argument order, kinds), and the argument names in call order."""
+def _handle(fn_id: int, positional: int, keywords: tuple[str, ...], kinds: tuple[str, ...]) -> tuple[int, tuple[str, ...]]:
+    """A handle for (function, argument order, kinds), and the argument names in call order (the
+    compiled function comes as its id: runtime/state.py `object_of`)."""
+    fn: Compiled = object_of(fn_id)
     params = [p.name for p in fn.program_def.signature.parameters.values()]
     names = (*params[:positional], *keywords)
     unknown = [n for n in keywords if n not in params]
@@ -104,7 +106,7 @@ def call_in_graph(fn: Compiled, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     """The call `fn(*args, **kwargs)` as torch.compile traces it: one `neptune_fusion::program` op."""
     values = (*args, *kwargs.values())
     kinds = argument_kinds(values)
-    handle, _ = _handle(fn, len(args), tuple(kwargs), kinds)
+    handle, _ = _handle(id(fn), len(args), tuple(kwargs), kinds)
     tensors = [v for v, k in zip(values, kinds) if k == "tensor"]
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         raise RuntimeError(f"{fn.program_def.name}: this op runs the program without its backward, but an input "

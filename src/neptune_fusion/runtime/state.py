@@ -9,11 +9,12 @@ Example:
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Iterator
 
-__all__ = ["CALL_STATE", "in_cudagraph_tree", "private_state"]
+__all__ = ["CALL_STATE", "in_cudagraph_tree", "object_of", "private_state"]
 
 
 class _CallState(threading.local):
@@ -63,3 +64,18 @@ def in_cudagraph_tree() -> bool:
         return manager is not None and bool(manager.in_warmup or manager.in_recording)
     except Exception:  # noqa: BLE001 - an unknown torch: keep nothing rather than risk the graph pool
         return True
+
+
+def object_of(obj_id: int) -> Any:
+    """The live object whose `id()` is `obj_id`. torch.compile passes an object to a function it
+    keeps the result of (`torch._dynamo.assume_constant_result`) only as a constant, which torch
+    2.11 refuses for a module or a plain object (a compiled program, a bound method's object), but
+    it passes the object's id, and guards on the object's identity where its id is taken. Call it
+    only while the object is alive: during the trace of the call that holds it.
+
+    Example:
+        >>> config = object()
+        >>> object_of(id(config)) is config
+        True
+    """
+    return ctypes.cast(obj_id, ctypes.py_object).value
