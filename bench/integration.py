@@ -54,6 +54,29 @@ class Layer(torch.nn.Module):
         return self.proj(out)
 
 
+class MethodLayer(Layer):
+    """The layer with its score_mod a method of its own (`score_mod=self.bias`), reading ALiBi's
+    slopes through the module."""
+
+    def __init__(self, mask_mod: Any) -> None:
+        super().__init__(None, mask_mod)
+        self.slopes = SLOPES
+
+    def bias(self, score, b, h, q_idx, kv_idx):
+        return score + self.slopes[h] * (kv_idx - q_idx)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = nf.attention(self.proj(q), k, v, score_mod=self.bias, mask_mod=self.mask_mod, enable_gqa=True)
+        return self.proj(out)
+
+
+@nf.program
+def rownorm(x):
+    """A softmax over the last axis, as an nf.compile'd program inside torch.compile."""
+    e = nf.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
 def reference(q, k, v, score_mod, mask_mod) -> torch.Tensor:
     kf, vf = (t.float().repeat_interleave(HQ // HKV, 1) for t in (k, v))
     s = q.float() @ kf.transpose(-1, -2) / math.sqrt(D)
@@ -125,7 +148,8 @@ def compiled_checks() -> list[dict[str, Any]]:
     k, v = (torch.randn(4, HKV, 4096, D, device="cuda", dtype=torch.float16) for _ in range(2))
     kp, vp = (torch.randn(1, HKV, 2048, D, device="cuda", dtype=torch.float16) for _ in range(2))
     cases = [("decode_alibi_lengths", Layer(alibi, by_length), (q, k, v)),
-             ("prefill_alibi_causal", Layer(alibi, causal), (qp, kp, vp))]
+             ("prefill_alibi_causal", Layer(alibi, causal), (qp, kp, vp)),
+             ("prefill_method_alibi_causal", MethodLayer(causal), (qp, kp, vp))]
     for name, layer, args in cases:
         for mode in ("default", "reduce-overhead"):
             row: dict[str, Any] = {"case": name, "mode": mode}
@@ -163,6 +187,24 @@ def compiled_checks() -> list[dict[str, Any]]:
                 row["ok"] = False
             print(row, flush=True)
             rows.append(row)
+    program = nf.compile(rownorm)
+    x = torch.randn(4096, 1000, device="cuda", dtype=torch.float16)
+    for mode in ("default", "reduce-overhead"):
+        row = {"case": "program_rownorm", "mode": mode}
+        try:
+            torch._dynamo.reset()
+            with torch.no_grad():
+                row["graph_breaks"] = torch._dynamo.explain(lambda x: program(x) + 1)(x).graph_break_count
+                fn = torch.compile(lambda x: program(x) + 1, fullgraph=True, mode=None if mode == "default" else mode)
+                for _ in range(3):
+                    got = fn(x).clone()
+                row["rel_err_vs_fp32"] = rel_err(got, torch.softmax(x.float(), -1) + 1)
+                row["ok"] = bool(row["graph_breaks"] == 0 and row["rel_err_vs_fp32"] < 5e-3)
+        except Exception as exc:  # noqa: BLE001 - a failure is the finding
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:600]}"
+            row["ok"] = False
+        print(row, flush=True)
+        rows.append(row)
     # SDPA in the same two modes, for the host-time comparison
     for mode in ("default", "reduce-overhead"):
         torch._dynamo.reset()
