@@ -108,3 +108,16 @@ def test_a_short_centred_matmul_keeps_one_kernel_with_its_basis_sum_in_the_loop(
                                                           "w": w.half().float()})
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
     assert not any(e.groups for e in fn._cache.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_layernorm_statistics_far_from_zero_in_their_own_kernel(dtype, randn):
+    """The statistics' kernel of a partitioned LayerNorm -> matmul (rows and output axis above 512)
+    with a mean 300 times the spread: within the input's own rounding of fp64 (fp16 holds values
+    near 300 to 0.25, so its rows carry that much noise, the same for torch)."""
+    x = (randn(576, 64) + 300.0).to(dtype)
+    w = randn(64, 544, scale=0.1).to(dtype)
+    xd = x.double()
+    ref = ((xd - xd.mean(-1, keepdim=True)) / torch.sqrt(xd.var(-1, unbiased=False, keepdim=True) + 1e-5)) @ w.double()
+    out = nf.compile(layernorm_matmul)(x, w)
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=(2e-3 if dtype == torch.float32 else 3e-2) * ref.abs().max().item())
