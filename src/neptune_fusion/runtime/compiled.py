@@ -546,13 +546,14 @@ class Compiled:
         masks = _masks_of(fused, roles.row)
         use_block_map = masks.residual
         given_plan = plan is not None
+        inner_loop_length = sum(full_sizes[a] for a in inner_loop_axes(fused, full_sizes))
         if plan is None:
             def plan_for(programs_per_row_tile: int) -> Plan:
                 return choose(self.schedule, rows=sizes[roles.row], cols=sizes[roles.col],
                               batch=batch * programs_per_row_tile, full_sizes=full_sizes, dtype=main_dtype,
                               num_sms=_num_sms(device), interpreter=interpreter, block_mapped=use_block_map,
                               streams=roles.streams, rereads=roles.rereads, k_loop=roles.k_loop,
-                              inner_loop_length=sum(full_sizes[a] for a in inner_loop_axes(fused, full_sizes)))
+                              inner_loop_length=inner_loop_length)
 
             plan = plan_for(1)
             # the tiles of grid-tiled axes are programs too: split-K only where all of them leave the
@@ -633,7 +634,7 @@ class Compiled:
                                full_sizes=full_sizes, dtype=main_dtype, num_sms=_num_sms(device),
                                interpreter=interpreter, block_mapped=use_block_map,
                                streams=roles.streams, rereads=roles.rereads, k_loop=roles.k_loop,
-                              inner_loop_length=sum(full_sizes[a] for a in inner_loop_axes(fused, full_sizes)))
+                               inner_loop_length=inner_loop_length)
                 exe = self.executable_for(program, args, flash, options)
                 self._cache[key] = exe
                 return exe
