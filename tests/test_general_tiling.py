@@ -505,3 +505,10 @@ def test_tiled_operands_read_through_tensor_descriptors(prog, monkeypatch, randn
     fn = _check(program, args, torch.float16)
     sources = [k.source for e in fn._cache.values() for k in (e.main, e.combine) if k is not None]
     assert any("make_tensor_descriptor" in s and ".load([" in s for s in sources)
+
+
+def test_a_reduction_over_an_empty_axis_is_a_clear_error(randn):
+    """A reduction over an axis of length 0 (no terms: torch's sum is 0, its mean nan) is refused
+    before anything is compiled, naming the axis (it raised SymPy's `zoo` from the fusion)."""
+    with pytest.raises(ValueError, match="reduction axis .* has length 0"):
+        nf.compile(softmax_1d)(torch.randn(4, 0))

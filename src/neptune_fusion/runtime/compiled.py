@@ -36,7 +36,7 @@ from neptune_fusion.codegen.gluon_source import GLUON_LOOP_TILES, consumer_regis
 from neptune_fusion.codegen.gluon_source import ROW_BLOCK as GLUON_ROW_BLOCK
 from neptune_fusion.codegen.triton_source import generate
 from neptune_fusion.ir.errors import FusionError
-from neptune_fusion.ir.expr import free_axes
+from neptune_fusion.ir.expr import Reduce, free_axes, walk
 from neptune_fusion.ir.program import FusedLoop, Program
 from neptune_fusion.lang.tensor import input_dtype_name
 from neptune_fusion.lang.trace import ProgramDef
@@ -207,7 +207,12 @@ def _check_tensors(program: Program, args: dict[str, Any], interpreter: bool) ->
             raise ValueError(f"scalar parameter {p!r} = {v} is outside the float32 range kernels compute in")
         if isinstance(v, int) and not -2**31 <= v < 2**31:
             raise ValueError(f"scalar parameter {p!r} = {v} is outside the int32 range kernels compute in")
-    axis_extents(program, args)
+    extents = axis_extents(program, args)
+    empty = sorted({n.axis for st in program.all_stages() for n in walk(st.body)
+                    if isinstance(n, Reduce) and extents.get(n.axis) == 0})
+    if empty:
+        raise ValueError(f"{program.name}: the reduction axis {empty[0]!r} has length 0 at these arguments' shapes "
+                         "(a reduction over nothing: torch gives 0 for a sum, nan for a mean); pass non-empty tensors")
     return device
 
 
