@@ -329,6 +329,9 @@ def _check_offsets(fused: Program, roles: Any, args: dict[str, Any]) -> None:
                 f"such slices with 32-bit offsets (make the sequence or head-dim layout more compact)")
 
 
+WIDE_TILE = 256  # a tile this wide (loop tile or grid tile) makes a tiled kernel read through descriptors
+
+
 def _tma_buffers(program: Program, args: dict[str, Any], device: torch.device, options: Options) -> frozenset[str]:
     """Inputs whose tiles can be read through tensor descriptors (Hopper's copy engine): floating
     point, last dimension contiguous, other strides and the base 16-byte aligned (`options.tma`:
@@ -588,6 +591,11 @@ class Compiled:
             # than a tile read once saves. A split loop with inner K-loops reads its tiles many times
             # and is compute-bound: descriptors spare it the address tiles in registers
             tma = frozenset()
+        # a kernel that tiles axes reads its tiled blocks (K-steps, grid tiles) through descriptors
+        # where its tiles are 256 wide: the accumulators then fill half the registers, and pointer
+        # loads' address tiles would spill; at 128-wide tiles pointer loads were as fast or faster
+        # (bench/NOTES.md). Blocks of a held axis read through descriptors either way
+        tiled_descriptors = options.tma == "force" or max([plan.block_col, *(tiling.block(a) for a in tiling.grid)]) >= WIDE_TILE
         positive = frozenset(p for p in program.params if isinstance(args[p], float) and args[p] > 0)
         combine_rows = min(16, 1 << max(0, (sizes[roles.row] - 1).bit_length()))
         # the next listed tile's index read an iteration early: 5-6% faster (document mask)
@@ -620,7 +628,7 @@ class Compiled:
         config = LoweringConfig(dtypes, full_sizes, plan.block_row, plan.block_col, plan.num_warps,
                                 plan.num_stages, plan.splits, dot_dtype, partial_outputs=plan.splits > 1,
                                 block_map_axes=block_axes, tma_buffers=tma, positive_params=positive,
-                                grid_group=grid_group, tiling=tiling)
+                                grid_group=grid_group, tiling=tiling, tiled_descriptors=tiled_descriptors)
         target = "interpreter" if interpreter else "cuda"
         name = kernel_name(program.name)
         combine = None

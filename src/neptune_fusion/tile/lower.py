@@ -119,6 +119,8 @@ class LoweringConfig:
     block_map_axes: tuple[str, ...] | None = None  # visit tiles from run-time lists (batch axes they depend on)
     block_epilogue: int = 128  # tile size of second passes over output-only axes
     tma_buffers: frozenset[str] = frozenset()  # inputs whose tiles may be read through tensor descriptors
+    # in a kernel that tiles axes, blocks of tiled axes (K-steps, grid tiles) too, not only [tile, held] ones
+    tiled_descriptors: bool = True
     positive_params: frozenset[str] = frozenset()  # float parameters whose value is > 0 (specialised on)
     # one-axis grid whose programs walk row tiles (heaviest first) across this many batch entries at
     # once; None: the (row tiles, batch) grid
@@ -582,7 +584,7 @@ class KernelBuilder:
         if not (isinstance(outer, Index) and isinstance(inner, Index) and d_inner == len(index) - 1):
             return None
         held = [a for a in self.roles.full if a not in self.tiling.grid + self.tiling.loops]
-        if self.tiling.tiled:
+        if self.tiling.tiled and self.config.tiled_descriptors:
             if not all(a.axis in self.tile_start or a.axis in held for a in (outer, inner)):
                 return None
         elif not (inner.axis in held and outer.axis in (self.roles.row, self.roles.col) and outer.axis in self.tile_start):
