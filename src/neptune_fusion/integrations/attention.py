@@ -693,9 +693,10 @@ class _FastCall:
         self.checks = checks
         self.layouts = layouts  # of q, k, v and the extras (eager calls)
 
-    def valid(self, request: _Request) -> bool:
-        return (_same_mod(self.request.score_mod, request.score_mod) and _same_mod(self.request.mask_mod, request.mask_mod)
-                and (not self.checks or _unchanged(self.walk.reads)))
+    def valid(self) -> bool:
+        """Whether what the mods' key was read from still holds (the fast key, which keys the mods
+        by `_mod_id`, already fixes the mods themselves)."""
+        return not self.checks or _unchanged(self.walk.reads)
 
     def _result(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, found: Sequence[torch.Tensor]) -> Any:
         """The launcher's result for q, k, v and the captured arguments at `sources` in `found`."""
@@ -736,15 +737,14 @@ _lean: OrderedDict[Any, tuple[_FastCall, ...]] = OrderedDict()
 _LEAN_PER_KEY = 4
 
 
-def _lean_hit(lean_key: Any, q: Any, k: Any, v: Any, extras: tuple[torch.Tensor, ...], score_mod: Any, mask_mod: Any,
-              schedule: Any) -> Any:
+def _lean_hit(lean_key: Any, q: Any, k: Any, v: Any, extras: tuple[torch.Tensor, ...]) -> Any:
     """The result of the call through a `_lean` entry, or None (the caller takes the full path)."""
+    # the key fixes the mods and the schedule (`_mod_id`, id: an entry holds them, so no id it keys
+    # by is reused while it lives); each entry is one layout of q, k, v
     for hit in _lean.get(lean_key, ()):
-        request = hit.request
-        if _same_mod(request.score_mod, score_mod) and _same_mod(request.mask_mod, mask_mod) and request.schedule is schedule:
-            result = hit.again(q, k, v, extras)
-            if result is not None:
-                return result
+        result = hit.again(q, k, v, extras)
+        if result is not None:
+            return result
     return None
 
 
@@ -1038,11 +1038,6 @@ def _mod_id(fn: Any) -> Any:
     return id(fn)
 
 
-def _same_mod(a: Any, b: Any) -> bool:
-    return a is b or (isinstance(a, types.MethodType) and isinstance(b, types.MethodType)
-                      and a.__func__ is b.__func__ and a.__self__ is b.__self__)
-
-
 def _lean_key(score_mod: Any, mask_mod: Any, flags: tuple[Any, ...], schedule: Any, scale: Any) -> Any:
     """`_lean`'s key of an eager call (None: the call is not one it keys): the mods and the
     schedule by identity, the flags and a float scale by value."""
@@ -1066,7 +1061,7 @@ def _call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: _Request, 
     fast_key = (_mod_id(request.score_mod), _mod_id(request.mask_mod), request[2:], scale, tensor_layout(q), tensor_layout(k),
                 tensor_layout(v), *map(tensor_layout, extras))
     hit = _fast.get(fast_key)
-    if hit is not None and hit.valid(request) and not (torch.is_grad_enabled() and _needs_grad([q, k, v, *hit.walk.tensors])):
+    if hit is not None and hit.valid() and not (torch.is_grad_enabled() and _needs_grad([q, k, v, *hit.walk.tensors])):
         if lean_key is not None:
             _lean_remember(lean_key, hit)
         return hit.launch(q, k, v, [*hit.walk.tensors, *extras])
@@ -1121,7 +1116,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score
     lean_key = None
     if block_mask is None and kernel_options is None and return_aux is None and not torch.compiler.is_compiling():
         lean_key = _lean_key(score_mod, mask_mod, (bool(enable_gqa), bool(return_lse)), schedule, scale)
-        result = _lean_hit(lean_key, query, key, value, (), score_mod, mask_mod, schedule)
+        result = _lean_hit(lean_key, query, key, value, ())
         if result is not None:  # the output, or (output, lse): what this function returns
             return result
     outputs = _outputs_of(return_lse, return_aux)
@@ -1157,8 +1152,7 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, scale
         flags = ("attend", bool(enable_gqa), bool(return_lse), bool(causal), (type(window), window),
                  (type(softcap), softcap), key_padding is None)
         lean_key = _lean_key(None, None, flags, schedule, scale)
-        result = _lean_hit(lean_key, query, key, value, () if key_padding is None else (key_padding,), None, None,
-                           schedule)
+        result = _lean_hit(lean_key, query, key, value, () if key_padding is None else (key_padding,))
         if result is not None:
             return result
     if window is not None:

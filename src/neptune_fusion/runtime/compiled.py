@@ -593,8 +593,8 @@ class Compiled:
             tma = frozenset()
         # a kernel that tiles axes reads its tiled blocks (K-steps, grid tiles) through descriptors
         # where its tiles are 256 wide: the accumulators then fill half the registers, and pointer
-        # loads' address tiles would spill; at 128-wide tiles pointer loads were as fast or faster
-        # (bench/NOTES.md). Blocks of a held axis read through descriptors either way
+        # loads' address tiles would spill; at 128-wide tiles pointer loads measured as fast or
+        # faster. Blocks of a held axis read through descriptors either way
         tiled_descriptors = options.tma == "force" or max([plan.block_col, *(tiling.block(a) for a in tiling.grid)]) >= WIDE_TILE
         positive = frozenset(p for p in program.params if isinstance(args[p], float) and args[p] > 0)
         combine_rows = min(16, 1 << max(0, (sizes[roles.row] - 1).bit_length()))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from neptune_fusion.ir.errors import UnsupportedProgramError
 from neptune_fusion.ir.expr import Reduce, walk
@@ -121,7 +122,11 @@ def inner_loop_axes(program: Program, full_sizes: dict[str, int]) -> tuple[str, 
         ('d',)
     """
     reduced, spatial = axis_uses(program)
-    return tuple(a for a, n in full_sizes.items() if n > MAX_WHOLE and a in reduced and a not in spatial)
+    return tuple(a for a, n in full_sizes.items() if _walked_by_inner_loop(a, n, reduced, spatial))
+
+
+def _walked_by_inner_loop(axis: str, size: int, reduced: dict[str, Any], spatial: dict[str, str]) -> bool:
+    return size > MAX_WHOLE and axis in reduced and axis not in spatial
 
 
 def choose_tiling(program: Program, full_sizes: dict[str, int], block_row: int, block_col: int,
@@ -129,7 +134,7 @@ def choose_tiling(program: Program, full_sizes: dict[str, int], block_row: int, 
     """Block sizes for the full axes of a fused program (see the module docstring). Grid tiles
     are narrowed until the loop's state fits in registers (`check_fits`)."""
     reduced, spatial = axis_uses(program)
-    widest = grid_block(block_row, sums_loaded_products(program))
+    grid_width = grid_block(block_row, sums_loaded_products(program))
     blocks: list[tuple[str, int]] = []
     grid: list[str] = []
     loops: list[str] = []
@@ -138,9 +143,9 @@ def choose_tiling(program: Program, full_sizes: dict[str, int], block_row: int, 
         if size <= MAX_WHOLE:
             blocks.append((axis, whole))
         elif axis in spatial and axis not in reduced:
-            blocks.append((axis, min(whole, widest)))
+            blocks.append((axis, min(whole, grid_width)))
             grid.append(axis)
-        elif axis in reduced and axis not in spatial:
+        elif _walked_by_inner_loop(axis, size, reduced, spatial):
             # both operand tiles of a step, `num_stages` deep, within shared memory
             fit = SHARED_BYTES // (max(1, num_stages) * (block_row + block_col) * dtype_bytes)
             blocks.append((axis, max(16, min(MAX_K_BLOCK, whole, 1 << (max(16, fit).bit_length() - 1)))))
