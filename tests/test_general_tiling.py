@@ -163,6 +163,24 @@ def test_probabilities_of_a_linear_layer(schedule, randn):
                                rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("cols", [512, 700], ids=["whole-tiles", "partial-last-tile"])
+def test_a_second_pass_masks_only_its_partial_last_tile(cols, randn):
+    """A row normalisation written out: the second pass walks whole tiles without the column mask
+    (a mask along the contiguous axis would make every access element-wise), then the partial
+    last tile with it; both together write every element once."""
+
+    @nf.program
+    def rms_rows(x):
+        return x / nf.sqrt((x * x).sum(axis=-1, keepdims=True) / x.shape[-1] + 1e-6)
+
+    x = randn(48, cols)
+    fn = _check(rms_rows, (x,), schedule=nf.flash(block_q=16, block_k=128))
+    source = _kernels(fn)[0].source
+    whole = source.split("# second pass over")[1].split("# second pass over")[0]
+    assert "whole tiles" in whole and "tl.store" in whole and "< size_" not in whole
+    assert "the partial last tile" in source
+
+
 def test_softmax_over_one_row_of_100k(randn):
     """A softmax whose max and sum are single values: a row axis of extent 1 and split-K."""
     x = randn(100_000, scale=3.0)

@@ -1235,24 +1235,30 @@ class KernelBuilder:
         if axis == self.roles.col and self.config.splits > 1:
             raise UnsupportedProgramError("tile lowering", stages[0].name, "output",
                                           "a split-K kernel writes partial states; its combine does the second pass")
-        body: list[Stmt] = []
-        self.scopes.append(_Scope(body))
-        var = TVal(self.fresh("start_"), (), "i32")
         block = self.block[axis]
-        self.bindings[axis] = self.op("arange", (axis,), "i32", (var,), prefix="cols", block=block)
-        inner_valid = dict(valid)
-        inner_valid[axis] = self.bin("lt", self.bindings[axis], self.size(axis))
-        ctx = _Ctx(dict(state), {}, inner_valid, {}, True)
-        self.variant_axes.add(axis)
-        try:
-            for stage in stages:
-                self._store(f"out_{stage.name}", stage.axes, self.emit(stage.body, ctx), inner_valid, variant=True)
-        finally:
-            self.variant_axes.discard(axis)
-        self.scopes.pop()
-        del self.bindings[axis]
-        self.body.append(Loop(var, self.const(0), self.size(axis), block, body,
-                              f"second pass over {axis}: outputs indexed by it"))
+        # whole tiles without the axis's mask, then the partial last tile with it: a mask that
+        # varies along the contiguous axis (its length is not specialised) makes every load and
+        # store of the pass element-wise instead of vectorised
+        whole = self.bin("mul", self.bin("floordiv", self.size(axis), TVal(block, (), "i32")), TVal(block, (), "i32"))
+        for start, stop, masked, comment in (
+                (self.const(0), whole, False, f"second pass over {axis}, whole tiles: outputs indexed by it"),
+                (whole, self.size(axis), True, f"second pass over {axis}, the partial last tile")):
+            body: list[Stmt] = []
+            self.scopes.append(_Scope(body))
+            var = TVal(self.fresh("start_"), (), "i32")
+            self.bindings[axis] = self.op("arange", (axis,), "i32", (var,), prefix="cols", block=block)
+            inner_valid = dict(valid)
+            inner_valid[axis] = self.bin("lt", self.bindings[axis], self.size(axis)) if masked else None
+            ctx = _Ctx(dict(state), {}, inner_valid, {}, True)
+            self.variant_axes.add(axis)
+            try:
+                for stage in stages:
+                    self._store(f"out_{stage.name}", stage.axes, self.emit(stage.body, ctx), inner_valid, variant=True)
+            finally:
+                self.variant_axes.discard(axis)
+            self.scopes.pop()
+            del self.bindings[axis]
+            self.body.append(Loop(var, start, stop, block, body, comment))
 
     def _splits(self) -> TVal:
         """The split count of a split-K kernel: a run-time argument (the launcher passes the plan's
