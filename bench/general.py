@@ -99,9 +99,12 @@ def main() -> None:
                     row["before_rel_err_vs_fp32"] = rel_err(earlier(*args).float(), ref)
                     row["before_us"] = bench(lambda: earlier(*args))
                     row["after_over_before"] = row["nf_us"] / row["before_us"]
+                library = [e.library.plan for e in fn._cache.values() if getattr(e, "library", None) is not None]
                 exe = next(iter(fn._cache.values()))
                 row["plan"] = str(exe.plan)
                 row["kernels"] = 1 + (exe.combine is not None) + len(getattr(exe, "groups", ()) or ())
+                if library:  # the output contracted by cuBLAS, the operands written by our kernels
+                    row["library"] = library[0].describe()
         except Exception as exc:  # noqa: BLE001 - a failure is the finding
             row["error"] = f"{type(exc).__name__}: {str(exc)[:600]}"
         print(row, flush=True)

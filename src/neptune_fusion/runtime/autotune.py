@@ -111,7 +111,8 @@ def tune(compiled: Compiled, program: Program, named: dict[str, Any], order: lis
         except (TypeError, FusionError):
             pass  # a choice from another version of the compiler: tune again
     base = compiled.executable_for(program, named)
-    if base.groups:  # several kernels: the candidates are plans of one; each group keeps its schedule's
+    if base.groups or base.library is not None:
+        # several kernels (or cuBLAS): the candidates are plans of one; each kernel keeps its schedule's
         last_report = []
         return base
     values = [named[n] for n in order]

@@ -45,6 +45,7 @@ from neptune_fusion.runtime.options import Options
 from neptune_fusion.runtime.reference import axis_extents, run_reference
 from neptune_fusion.runtime.state import CALL_STATE
 from neptune_fusion.schedule.auto import Plan, choose, fit
+from neptune_fusion.schedule.library import LibraryContraction, library_contraction
 from neptune_fusion.schedule.partition import Group, partition
 from neptune_fusion.schedule.pipeline import SPLIT_AXIS, Step, combine_program, fuse, with_split_k
 from neptune_fusion.schedule.templates import Auto, Autotune, Flash, Schedule, SplitK
@@ -150,13 +151,22 @@ class KernelPlan:
         return "\n".join(f"{f.name}: {getattr(self, f.name)!r}" for f in fields(self))
 
 
+@dataclass(frozen=True)
+class LibraryRun:
+    """A contraction run by the GEMM library (schedule/library.py): its plan and, for each operand
+    a kernel writes, that operand program's executable (None: an input as it stands)."""
+
+    plan: LibraryContraction
+    operands: tuple[Executable | None, ...]
+
+
 @dataclass
 class Executable:
     """Everything compiled for one (program, dtypes, full sizes, plan, target)."""
 
     steps: list[Step]
-    plan: Plan
-    main: KernelLaunch
+    plan: Plan | None  # None: no kernel of ours (a library contraction of two inputs)
+    main: KernelLaunch | None
     combine: KernelLaunch | None
     combine_steps: list[Step] = field(default_factory=list)
     masks: MaskInfo | None = None  # set when tiles are visited from a run-time block map
@@ -165,6 +175,7 @@ class Executable:
     # (main, combine, ... are the first group's)
     groups: tuple[tuple[Group, Executable], ...] = ()
     record: KernelPlan | None = None  # every decision behind the main kernel
+    library: LibraryRun | None = None  # the output is a library contraction of these operands
 
 
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
@@ -539,6 +550,10 @@ class Compiled:
         options = options or self.options or Options.from_environment()
         interpreter = options.interpreter
         device = _check_tensors(program, args, interpreter)
+        if plan is None and isinstance(self.schedule, (Auto, Autotune)):
+            routed = library_contraction(program, axis_extents(program, args), gemm_dtype(program, args))
+            if isinstance(routed, LibraryContraction):
+                return self._library(program, routed, args, options)
         groups = _partition_cached(program, long_axes(program, args), narrow_inputs(program, args))
         if len(groups) > 1:
             return self._grouped(program, groups, args, device, options)
@@ -740,6 +755,56 @@ class Compiled:
                                       first.masks, first.combine_tile, tuple(parts))
         return self._cache[key]
 
+    def _library(self, program: Program, plan: LibraryContraction, args: dict[str, Any],
+                 options: Options) -> Executable:
+        """The operand programs' executables (each compiled for the call's arguments) and the
+        contraction that cuBLAS computes from their outputs."""
+        key = ("library", program.fingerprint(), tuple((n, _arg_key(v)) for n, v in sorted(args.items())))
+        if key in self._cache:
+            return self._cache[key]
+        parts: list[Executable | None] = []
+        steps: list[Step] = []
+        for j, operand in enumerate(plan.operands):
+            if operand.program is None:
+                parts.append(None)
+                continue
+            exe = self.executable_for(operand.program, {n: args[n] for n in _arg_names(operand.program)},
+                                      options=options)
+            parts.append(exe)
+            steps += [Step(f"operand {j} of {plan.stage} (for cuBLAS): {s.name}", s.program) for s in exe.steps]
+        first = next((p for p in parts if p is not None), None)
+        exe = Executable(steps, first.plan if first else None, first.main if first else None,
+                         first.combine if first else None, library=LibraryRun(plan, tuple(parts)))
+        self._cache[key] = exe
+        return exe
+
+    def _library_launcher(self, exe: Executable, program: Program, example: dict[str, Any],
+                          order: list[str]) -> Callable[[Sequence[Any]], Any]:
+        """Write the operands that need it, then `torch.einsum` of the two in the inputs' dtype."""
+        assert exe.library is not None
+        plan = exe.library.plan
+        position = {n: i for i, n in enumerate(order)}
+        sources: list[tuple[int, Callable[[list[Any]], Any] | None, list[int]]] = []
+        for operand, part in zip(plan.operands, exe.library.operands):
+            if operand.program is None or part is None:
+                sources.append((position[operand.input], None, []))  # type: ignore[index]
+                continue
+            names = _arg_names(operand.program)
+            launch = self._launcher(part, operand.program, {n: example[n] for n in names}, names)
+            sources.append((-1, launch, [position[n] for n in names]))
+        sizes = axis_extents(program, example)
+        spec = program.outputs[0]
+        view = [sizes[d] if d else 1 for d in spec.view] if spec.view is not None else None
+        equation = plan.spec
+
+        def run(values: Sequence[Any]) -> Any:
+            operands = [values[i] if launch is None else launch([values[j] for j in picks])
+                        for i, launch, picks in sources]
+            out = torch.einsum(equation, *operands)
+            return out if view is None else out.view(view)
+
+        return run
+
     def _grouped_launcher(self, exe: Executable, program: Program, example: dict[str, Any],
                           order: list[str]) -> Callable[[Sequence[Any]], Any]:
         """Run the groups' kernels in order; each group's materialised reductions are inputs of
@@ -859,15 +924,20 @@ class Compiled:
             return (lambda values: run_reference(program, dict(zip(order, values)), out_dtype=dtype)), None
         # a plan asked for that the executable does not run (a program of several kernels plans each
         # of its own): nothing to shrink
-        return self._launcher(exe, program, named, order), exe.plan if plan in (None, exe.plan) else None
+        # (a library contraction's operand kernels are planned by their own programs)
+        shrinkable = exe.library is None and plan in (None, exe.plan)
+        return self._launcher(exe, program, named, order), exe.plan if shrinkable else None
 
     def _launcher(self, exe: Executable, program: Program, example: dict[str, Any],
                   order: list[str]) -> Callable[[Sequence[Any]], Any]:
         """The per-call function for arguments like `example`: everything that does not change from
         call to call (sizes, strides, grids, constexprs, where each kernel argument comes from) is
         resolved here once; a call allocates its outputs and launches."""
+        if exe.library is not None:
+            return self._library_launcher(exe, program, example, order)
         if exe.groups:  # several kernels, run in order
             return self._grouped_launcher(exe, program, example, order)
+        assert exe.main is not None and exe.plan is not None
         sizes = axis_extents(exe.main.program, example)
         device = example[program.inputs[0].name].device
         out_dtype = next(example[b.name].dtype for b in program.inputs if example[b.name].is_floating_point())
@@ -973,6 +1043,13 @@ class Compiled:
 def _arg_names(program: Program) -> list[str]:
     """A group program's arguments, by name: its inputs, then its scalar parameters."""
     return [b.name for b in program.inputs] + list(program.params)
+
+
+def gemm_dtype(program: Program, args: dict[str, Any]) -> str:
+    """The floating inputs' one dtype (`mixed` where they differ): a library GEMM's operand dtype."""
+    names = {input_dtype_name(args[b.name].dtype) for b in program.inputs
+             if isinstance(args.get(b.name), torch.Tensor) and args[b.name].is_floating_point()}
+    return names.pop() if len(names) == 1 else "mixed"
 
 
 def _materialised(program: Program, group: Group, sizes: dict[str, int], device: torch.device) -> dict[str, torch.Tensor]:

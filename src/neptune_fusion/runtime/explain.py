@@ -27,7 +27,9 @@ from neptune_fusion.ir.errors import FusionError
 from neptune_fusion.ir.printer import format_expr, format_program
 from neptune_fusion.ir.program import Program
 from neptune_fusion.lang.trace import ProgramDef
-from neptune_fusion.runtime.compiled import Compiled, long_axes, narrow_inputs
+from neptune_fusion.runtime.compiled import Compiled, gemm_dtype, long_axes, narrow_inputs
+from neptune_fusion.runtime.reference import axis_extents
+from neptune_fusion.schedule.library import Declined, library_contraction
 from neptune_fusion.schedule.partition import Group, why_apart
 from neptune_fusion.schedule.templates import Schedule
 from neptune_fusion.tile.ir import format_tile_kernel
@@ -63,11 +65,23 @@ def explain(program: ProgramDef | Program | Compiled | Callable[..., Any], *args
         out.append(body)
         out.append("")
 
+    if exe.library is not None:
+        section("library contraction (schedule/library.py)", exe.library.plan.describe())
+        for j, operand in enumerate(exe.library.plan.operands):
+            if operand.program is not None:
+                section(f"operand {j}: {operand.program.name}", explain(
+                    operand.program, **{n: named[n] for n in (*(b.name for b in operand.program.inputs),
+                                                             *operand.program.params)}))
+        return "\n".join(out)
+    declined = library_contraction(prog, axis_extents(prog, named), gemm_dtype(prog, named))
+    if isinstance(declined, Declined) and declined.estimated:
+        section("library contraction (schedule/library.py)", f"not used: {declined.reason}")
     if exe.groups:
         section(f"{len(exe.groups)} kernels", why_apart(prog, long_axes(prog, named), narrow_inputs(prog, named)) or "")
     for i, step in enumerate(exe.steps):
         section(f"{i}. {step.name}", format_program(step.program))
     plan = exe.plan
+    assert plan is not None and exe.main is not None
     section("schedule", f"template {plan.template}: block_row={plan.block_row} block_col={plan.block_col} "
                         f"num_warps={plan.num_warps} num_stages={plan.num_stages} splits={plan.splits} "
                         f"prefetch_dot={plan.prefetch_dot}")
@@ -96,7 +110,6 @@ def _explain_backward(program: Program, named: dict[str, Any], schedule: Schedul
     """The forward's explanation, then the derived backward: its record, program and kernels."""
 
     from neptune_fusion.analysis.chains import chain_axis
-    from neptune_fusion.runtime.reference import axis_extents
     from neptune_fusion.schedule.partition import partition_loops
     from neptune_fusion.transform.grad import differentiate
 
@@ -133,7 +146,6 @@ def _stand_ins(backward: Program, named: dict[str, Any], sizes_of: Program) -> d
     output gradients, other kernels' results), shaped by the forward's axis sizes."""
     import torch
 
-    from neptune_fusion.runtime.reference import axis_extents
 
     sizes = axis_extents(sizes_of, named)
     example = next(v for v in named.values() if isinstance(v, torch.Tensor) and v.is_floating_point())

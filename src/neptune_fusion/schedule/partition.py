@@ -163,10 +163,10 @@ def _split(program: Program, late: set[str]) -> tuple[Group, Group]:
     first_outputs = [o for _, o in early_out] + [OutputSpec(m.name, m.axes) for m in mats]
     first_stages = needed_stages([st for st in program.stages if isinstance(st, Stage) and st.name not in late] + mats,
                            {o.stage for o in first_outputs})
-    first = _program(program, f"{program.name}_part1", first_stages, first_outputs, [])
+    first = subprogram(program, f"{program.name}_part1", first_stages, first_outputs, [])
     second_stages = [st for st in program.stages if isinstance(st, Stage) and (st.name in late or st.name in copied)]
     mat_inputs = [InputBuffer(n, stages[n].axes) for n in boundary]
-    second = _program(program, f"{program.name}_part2", second_stages, [o for _, o in late_out], mat_inputs)
+    second = subprogram(program, f"{program.name}_part2", second_stages, [o for _, o in late_out], mat_inputs)
     return (Group(first, tuple(f"output:{j}" for j, _ in early_out) + tuple(boundary)),
             Group(second, tuple(f"output:{j}" for j, _ in late_out)))
 
@@ -185,8 +185,10 @@ def needed_stages(stages: list[Stage], roots: set[str]) -> list[Stage]:
     return [st for st in stages if st.name in keep]
 
 
-def _program(program: Program, name: str, stages: list[Stage], outputs: list[OutputSpec],
+def subprogram(program: Program, name: str, stages: list[Stage], outputs: list[OutputSpec],
              extra_inputs: list[InputBuffer]) -> Program:
+    """`program`'s `stages` with these outputs, as a program of its own: the inputs they read (and
+    `extra_inputs`, values another kernel writes), the axis sizes those give."""
     reads: set[str] = set()
     for st in stages:
         reads |= st.reads()
@@ -362,5 +364,5 @@ def _loop_group(program: Program, members: list[str], elsewhere: set[str], mater
     missing = {a for st in stages for a in st.axes} - sized
     inputs += [program.input(n) for n in sorted({program.axis_sizes[a][0] for a in missing if a in program.axis_sizes})]
     loop = {by_name[m].reduce_axis for m in members if by_name[m].reduce_op is not None}
-    sub = _program(program, f"{program.name}_k{index}", stages, outputs, inputs)
+    sub = subprogram(program, f"{program.name}_k{index}", stages, outputs, inputs)
     return Group(replace(sub, loop_axis=loop.pop()) if len(loop) == 1 else sub, tuple(results))

@@ -1,0 +1,221 @@
+"""A contraction handed to the GEMM library (Programs -> a typed plan).
+
+A program whose one output is a contraction `out[o] = sum_k A(o_a, k) * B(o_b, k)` of two
+operands, each a product of factors over its own output axes (and batch axes both share) and k,
+can run as: each operand that is not an input as it stands written once, in the inputs' 16-bit
+dtype, by a kernel of its own (its program: a normalised `x` is a row reduction and a second pass),
+then `torch.einsum` of the two, which cuBLAS computes. The fused K-loop kernel computes the
+operand at every K-step instead and saves that traffic, but reaches a smaller share of the tensor
+cores than cuBLAS. The choice is the estimate of the two: the GEMM's FLOPs at cuBLAS's rate plus
+the written operands' bytes (written, then read) at HBM's, against the FLOPs at the K-loop's share
+of that rate. Each written element serves one product per output column of its side, so the library
+wins where that side is long (about 2600 columns on the H200: a model's width after a
+normalisation, not attention's head dim).
+
+Example:
+    >>> import torch
+    >>> from neptune_fusion.library import rmsnorm_matmul
+    >>> x, w = torch.randn(64, 512).half(), torch.randn(512, 4096).half()
+    >>> plan = library_contraction(rmsnorm_matmul.trace(x, w), {"i": 64, "k": 512, "e": 4096}, "f16")
+    >>> plan.spec, [op.input for op in plan.operands], plan.operands[0].axes
+    ('ik,ke->ie', [None, 'w'], ('i', 'k'))
+    >>> library_contraction(rmsnorm_matmul.trace(x, w), {"i": 64, "k": 512, "e": 256}, "f16").reason[:29]
+    'the fused K-loop is estimated'
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import string
+from dataclasses import dataclass
+
+from neptune_fusion.ir.expr import Binary, Const, Expr, Index, Load, Reduce, free_axes
+from neptune_fusion.ir.program import InputBuffer, OutputSpec, Program, Stage
+from neptune_fusion.schedule.partition import needed_stages, subprogram
+
+PASS = "library"
+# cuBLAS's 16-bit GEMM on the H200 at a model's sizes (~780 TFLOP/s) and the share of it the
+# generated K-loop kernel reaches (bench/NOTES.md item 54); HBM as a streaming kernel reads it
+LIBRARY_GEMM_FLOPS = 780e12
+K_LOOP_SHARE = 0.87
+HBM_BYTES_PER_S = 4.0e12
+GEMM_DTYPES = {"f16": 2, "bf16": 2}  # the dtypes cuBLAS multiplies at full tensor-core rate, their sizes
+
+
+@dataclass(frozen=True)
+class Operand:
+    """One side of the contraction over `axes` (its tensor's dims, in order): the input `input`
+    read as it is, or the one output of `program` (written by its kernels)."""
+
+    axes: tuple[str, ...]
+    input: str | None = None
+    program: Program | None = None
+
+
+@dataclass(frozen=True)
+class LibraryContraction:
+    """The plan: `torch.einsum(spec, *operands)` computes the output stage `stage` (returned in
+    the shape `view`, its axes where None); the estimates (seconds) behind the choice."""
+
+    stage: str
+    spec: str
+    operands: tuple[Operand, Operand]
+    library_s: float
+    fused_s: float
+
+    def describe(self) -> str:
+        """What `explain` prints."""
+        sides = [f"operand {j}: " + (f"input {op.input!r}" if op.input is not None else
+                                     f"written by {op.program.name} over {list(op.axes)}")  # type: ignore[union-attr]
+                 for j, op in enumerate(self.operands)]
+        return "\n".join([f"{self.stage} = torch.einsum({self.spec!r}, operand 0, operand 1) (cuBLAS)", *sides,
+                          f"estimated {self.library_s * 1e6:.3g} us against {self.fused_s * 1e6:.3g} us for the "
+                          "fused K-loop kernel"])
+
+
+@dataclass(frozen=True)
+class Declined:
+    """Why the output stays with the fused kernels; `estimated`: the program has the form, and
+    the estimate chose the fused kernel."""
+
+    reason: str
+    estimated: bool = False
+
+
+def library_contraction(program: Program, sizes: dict[str, int], dtype: str) -> LibraryContraction | Declined:
+    """The library plan of `program` at these axis sizes and input dtype, or why not."""
+    if len(program.outputs) != 1:
+        return Declined(f"the program has {len(program.outputs)} outputs, not one")
+    if not all(isinstance(st, Stage) for st in program.stages):
+        return Declined("the program is already fused")
+    out = program.outputs[0]
+    stage = program.stage(out.stage)
+    body = stage.body
+    if not (isinstance(body, Reduce) and body.op == "sum"):
+        return Declined(f"its output {stage.name!r} is not a sum reduction")
+    if tuple(out.dims) != stage.axes:
+        return Declined(f"its output is a permutation of {stage.name!r}'s axes")
+    if dtype not in GEMM_DTYPES:
+        return Declined(f"its inputs are {dtype}, not a 16-bit dtype cuBLAS multiplies at full rate")
+    factors, scale = _factors(body.body)
+    split = _sides(factors, stage.axes, body.axis)
+    if split is None:
+        return Declined(f"the body of {stage.name!r} is not a product of two sides over disjoint output axes "
+                        f"that both index {body.axis!r}")
+    inputs = {b.name: b for b in program.inputs}
+    sides = [split[0], split[1]]
+    direct = [_direct_input(side, inputs) for side in sides]
+    home = None  # the side the loose factors and the constant join: one written anyway, else the smaller
+    if split[2] or scale != 1.0:
+        written = [j for j in (0, 1) if direct[j] is None]
+        home = written[0] if written else min((0, 1), key=lambda j: _elements(_side_axes(sides[j], body.axis,
+                                                                                          stage.axes), sizes))
+        sides[home] = (*sides[home], *split[2])
+        direct[home] = None
+    operands = []
+    for j in (0, 1):
+        found = direct[j]
+        if found is not None:
+            operands.append(Operand(found[1], input=found[0]))
+            continue
+        axes = _side_axes(sides[j], body.axis, stage.axes)
+        name = f"{stage.name}_operand{j}"
+        expr = _product(sides[j], scale if j == home else 1.0)
+        stages = needed_stages([st for st in program.stages if st.name != stage.name] + [Stage(name, axes, expr)],
+                               {name})
+        operands.append(Operand(axes, program=subprogram(program, f"{program.name}_operand{j}", stages,
+                                                         [OutputSpec(name, axes)], [])))
+    flops = 2.0 * _elements(stage.axes, sizes) * sizes[body.axis]
+    written_bytes = sum(_elements(op.axes, sizes) for op in operands if op.program is not None) * GEMM_DTYPES[dtype]
+    library_s = flops / LIBRARY_GEMM_FLOPS + 2 * written_bytes / HBM_BYTES_PER_S
+    fused_s = flops / (LIBRARY_GEMM_FLOPS * K_LOOP_SHARE)
+    if library_s >= fused_s:
+        return Declined(f"the fused K-loop is estimated faster ({fused_s * 1e6:.3g} us) than writing the operands "
+                        f"for cuBLAS ({library_s * 1e6:.3g} us)", estimated=True)
+    return LibraryContraction(stage.name, _spec([operands[0].axes, operands[1].axes], stage.axes),
+                              (operands[0], operands[1]), library_s, fused_s)
+
+
+def _factors(expr: Expr) -> tuple[list[Expr], float]:
+    """The factors of a product, its numeric constants folded into one scale."""
+    if isinstance(expr, Binary) and expr.op == "mul":
+        a, sa = _factors(expr.a)
+        b, sb = _factors(expr.b)
+        return a + b, sa * sb
+    if isinstance(expr, Const) and isinstance(expr.value, (int, float)) and not isinstance(expr.value, bool):
+        return [], float(expr.value)
+    return [expr], 1.0
+
+
+def _sides(factors: list[Expr], out_axes: tuple[str, ...], k: str
+           ) -> tuple[tuple[Expr, ...], tuple[Expr, ...], tuple[Expr, ...]] | None:
+    """(side A's factors, side B's, the loose ones over k and batch axes alone): the sides are the
+    two groups of factors connected by the output axes only one of them indexes (batch axes, which
+    both index, the fewest that separate them); each side indexes k."""
+    axes_of = [free_axes(f) for f in factors]
+    for size in range(len(out_axes)):
+        for batch in itertools.combinations(out_axes, size):
+            own = set(out_axes) - set(batch)
+            parent = list(range(len(factors)))
+            for i, j in itertools.combinations(range(len(factors)), 2):
+                if axes_of[i] & axes_of[j] & own:
+                    parent[_root(parent, i)] = _root(parent, j)
+            root = [_root(parent, i) for i in range(len(factors))]
+            roots = sorted({root[i] for i in range(len(factors)) if axes_of[i] & own})
+            if len(roots) != 2:
+                continue
+            sides = [tuple(f for i, f in enumerate(factors) if axes_of[i] & own and root[i] == r) for r in roots]
+            indexed = [set().union(*(free_axes(f) for f in side)) for side in sides]
+            if all(k in ax and set(batch) <= ax for ax in indexed) and set(out_axes) <= indexed[0] | indexed[1]:
+                loose = tuple(f for i, f in enumerate(factors) if not axes_of[i] & own)
+                return sides[0], sides[1], loose
+    return None
+
+
+def _root(parent: list[int], i: int) -> int:
+    while parent[i] != i:
+        i = parent[i]
+    return i
+
+
+def _side_axes(side: tuple[Expr, ...], k: str, out_axes: tuple[str, ...]) -> tuple[str, ...]:
+    """A written operand's axes: its output axes in the output's order, then k (contiguous)."""
+    indexed = set().union(*(free_axes(f) for f in side))
+    return tuple(a for a in out_axes if a in indexed) + (k,)
+
+
+def _direct_input(side: tuple[Expr, ...], inputs: dict[str, InputBuffer]) -> tuple[str, tuple[str, ...]] | None:
+    """(input, its axes) where the side is one input read at its own axes, as the tensor stands."""
+    if len(side) != 1:
+        return None
+    (load,) = side
+    if not (isinstance(load, Load) and load.buffer in inputs and all(isinstance(i, Index) for i in load.index)):
+        return None
+    axes = tuple(i.axis for i in load.index)  # type: ignore[attr-defined]
+    if len(set(axes)) != len(axes) or tuple(inputs[load.buffer].dims) != axes or inputs[load.buffer].kind != "float":
+        return None
+    return load.buffer, axes
+
+
+def _product(factors: tuple[Expr, ...], scale: float) -> Expr:
+    expr = factors[0]
+    for f in factors[1:]:
+        expr = Binary("mul", expr, f)
+    return Binary("mul", expr, Const(scale)) if scale != 1.0 else expr
+
+
+def _elements(axes: tuple[str, ...], sizes: dict[str, int]) -> int:
+    return math.prod(sizes[a] for a in axes)
+
+
+def _spec(operand_axes: list[tuple[str, ...]], out_axes: tuple[str, ...]) -> str:
+    """The einsum spec, single-letter axis names kept as they are (for reading)."""
+    names = list(dict.fromkeys([*operand_axes[0], *operand_axes[1], *out_axes]))
+    letters = {a: a for a in names if len(a) == 1 and a in string.ascii_letters}
+    free = iter(c for c in string.ascii_letters if c not in letters.values())
+    letters.update({a: next(free) for a in names if a not in letters})
+    return ",".join("".join(letters[a] for a in axes) for axes in operand_axes) + "->" + "".join(letters[a] for a in out_axes)
+
+
+__all__ = ["Declined", "LibraryContraction", "Operand", "library_contraction"]

@@ -1,0 +1,140 @@
+"""Contractions handed to cuBLAS (schedule/library.py): which programs take the route, that the
+operand programs and the einsum compute the program (against the reference executor), and that
+everything else keeps its fused kernels."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import neptune_fusion as nf  # noqa: E402
+from neptune_fusion.library import layernorm_matmul, rmsnorm_matmul  # noqa: E402
+from neptune_fusion.runtime.reference import axis_extents  # noqa: E402
+from neptune_fusion.schedule.library import Declined, LibraryContraction, library_contraction  # noqa: E402
+
+WIDE = 3000  # output columns past the estimate's break-even (about 2600 on the H200's figures)
+
+
+@nf.program
+def weighted_rmsnorm_matmul(x, g, w):
+    r = nf.sqrt((x * x).sum(axis=-1, keepdims=True) / x.shape[-1] + 1e-6)
+    return nf.einsum("ik,ke->ie", x / r * g, w)
+
+
+@nf.program
+def batched_norm_matmul(x, w):
+    r = nf.sqrt((x * x).sum(axis=-1, keepdims=True) / x.shape[-1] + 1e-6)
+    return nf.einsum("bik,bke->bie", x / r, w)
+
+
+@nf.program
+def plain_matmul(x, w):
+    return nf.einsum("ik,ke->ie", x, w)
+
+
+def _library_plan(fn: nf.Compiled) -> LibraryContraction | None:
+    found = [exe.library.plan for exe in fn._cache.values() if exe.library is not None]
+    return found[0] if found else None
+
+
+def _reference(prog, args: tuple) -> torch.Tensor:
+    floats = tuple(a.float() for a in args)
+    return nf.run_reference(prog.trace(*floats), dict(prog.bind(*floats)))
+
+
+@pytest.mark.parametrize("prog", [rmsnorm_matmul, layernorm_matmul], ids=["rmsnorm", "layernorm"])
+def test_a_normalised_operand_is_written_once_for_cublas(prog, randn):
+    x, w = randn(32, 96).half(), (randn(96, WIDE) * 0.1).half()
+    fn = nf.compile(prog)
+    out = fn(x, w)
+    assert out.dtype == torch.float16 and out.shape == (32, WIDE)
+    torch.testing.assert_close(out.float(), _reference(prog, (x, w)), rtol=2e-2, atol=2e-2)
+    plan = _library_plan(fn)
+    assert plan is not None and plan.spec == "ik,ke->ie"
+    assert plan.operands[0].program is not None and plan.operands[1].input == "w"
+    assert "torch.einsum" in nf.explain(prog, x, w)
+
+
+def test_narrow_outputs_keep_the_fused_kernel(randn):
+    """Each written element serves one product per output column: at 300 columns the traffic costs
+    more than cuBLAS saves, and the estimate says so in `explain`."""
+    x, w = randn(32, 96).half(), (randn(96, 300) * 0.1).half()
+    fn = nf.compile(rmsnorm_matmul)
+    torch.testing.assert_close(fn(x, w).float(), _reference(rmsnorm_matmul, (x, w)), rtol=2e-2, atol=2e-2)
+    assert _library_plan(fn) is None
+    assert "not used: the fused K-loop is estimated faster" in nf.explain(rmsnorm_matmul, x, w)
+
+
+def test_an_explicit_schedule_keeps_the_fused_kernel(randn):
+    x, w = randn(32, 96).half(), (randn(96, WIDE) * 0.1).half()
+    fn = nf.compile(rmsnorm_matmul, schedule=nf.flash())
+    torch.testing.assert_close(fn(x, w).float(), _reference(rmsnorm_matmul, (x, w)), rtol=2e-2, atol=2e-2)
+    assert _library_plan(fn) is None
+
+
+def test_a_factor_over_k_alone_joins_the_written_operand(randn):
+    x, g, w = randn(16, 64).half(), randn(64).half(), (randn(64, WIDE) * 0.1).half()
+    fn = nf.compile(weighted_rmsnorm_matmul)
+    torch.testing.assert_close(fn(x, g, w).float(), _reference(weighted_rmsnorm_matmul, (x, g, w)),
+                               rtol=2e-2, atol=2e-2)
+    plan = _library_plan(fn)
+    assert plan is not None and plan.operands[1].input == "w"
+    assert {b.name for b in plan.operands[0].program.inputs} == {"x", "g"}
+
+
+def test_batch_axes_both_operands_index(randn):
+    x, w = randn(2, 16, 64).half(), (randn(2, 64, WIDE) * 0.1).half()
+    fn = nf.compile(batched_norm_matmul)
+    torch.testing.assert_close(fn(x, w).float(), _reference(batched_norm_matmul, (x, w)), rtol=2e-2, atol=2e-2)
+    plan = _library_plan(fn)
+    assert plan is not None and plan.spec == "bik,bke->bie"
+
+
+def test_two_inputs_as_they_stand_need_no_kernel(randn):
+    x, w = randn(16, 64).half(), randn(64, 48).half()
+    fn = nf.compile(plain_matmul)
+    torch.testing.assert_close(fn(x, w).float(), x.float() @ w.float(), rtol=2e-2, atol=2e-2)
+    plan = _library_plan(fn)
+    assert plan is not None and all(op.input is not None for op in plan.operands)
+
+
+@pytest.mark.parametrize("prog", [rmsnorm_matmul, layernorm_matmul, weighted_rmsnorm_matmul, batched_norm_matmul],
+                         ids=["rmsnorm", "layernorm", "weighted", "batched"])
+def test_the_operand_programs_and_einsum_compute_the_program(prog, randn):
+    """Program -> plan, checked by running each operand program through the reference executor
+    and contracting the results: equal to the whole program's reference, in fp32."""
+    shapes = {rmsnorm_matmul: [(8, 40), (40, 24)], layernorm_matmul: [(8, 40), (40, 24)],
+              weighted_rmsnorm_matmul: [(8, 40), (40,), (40, 24)], batched_norm_matmul: [(2, 8, 40), (2, 40, 24)]}
+    args = tuple(randn(*s) for s in shapes[prog])
+    traced = prog.trace(*args)
+    named = dict(prog.bind(*args))
+    plan = library_contraction(traced, {**axis_extents(traced, named), **{a: 10**6 for a in ("e",)}}, "f16")
+    assert isinstance(plan, LibraryContraction)
+    operands = [named[op.input] if op.input is not None else
+                nf.run_reference(op.program, {b.name: named[b.name] for b in op.program.inputs})
+                for op in plan.operands]
+    torch.testing.assert_close(torch.einsum(plan.spec, *operands), nf.run_reference(traced, named),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_what_is_not_a_contraction_of_two_sides_is_declined(randn):
+    x, w = randn(8, 40), randn(40, 24)
+    traced = rmsnorm_matmul.trace(x, w)
+    sizes = {"i": 8, "k": 40, "e": 10**6}
+    assert "16-bit" in library_contraction(traced, sizes, "f32").reason
+
+    @nf.program
+    def scaled_after(x, w):
+        return nf.einsum("ik,ke->ie", x, w) * 0.5
+
+    @nf.program
+    def two_outputs(x, w):
+        return nf.einsum("ik,ke->ie", x, w), x.sum(axis=-1)
+
+    for prog in (scaled_after, two_outputs):
+        decision = library_contraction(prog.trace(x, w), sizes, "f16")
+        assert isinstance(decision, Declined) and not decision.estimated
