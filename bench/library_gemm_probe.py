@@ -3,7 +3,11 @@
 RMSNorm / LayerNorm then matmul (8192x4096 @ 4096x4096, fp16) on the H200: the fused kernel, the
 operand kernel alone, cuBLAS alone, both in sequence, and torch.compile, in one process.
 
-    python bench/library_gemm_probe.py          (GPU machine; writes $OUT/library_gemm_probe.json)
+    python -m bench.library_gemm_probe          (GPU machine; writes $OUT/library_gemm_probe.json)
+
+Then the operand kernel alone under other plans (explicit `nf.flash` schedules), beside a plain
+copy of the same bytes and torch.compile of the normalisation alone: how far its bandwidth is from
+what the machine gives a read-and-write.
 """
 
 from __future__ import annotations
@@ -61,7 +65,30 @@ def main() -> None:
             row["operand_gb_s"] = 2 * x.numel() * 2 / row["operand_us"] / 1e3
             print(row, flush=True)
             rows.append(row)
-    print("wrote", write_results("library_gemm_probe", {"environment": environment(), "results": rows}))
+        plans = []
+        ref = x / torch.sqrt((x.float() ** 2).mean(-1, keepdim=True) + 1e-6).to(x.dtype)
+        y = torch.empty_like(x)
+        plans.append({"what": "copy (read + write of the same bytes)", "us": bench(lambda: y.copy_(x))})
+        norm = torch.compile(lambda t: (t.float() / torch.sqrt((t.float() ** 2).mean(-1, keepdim=True) + 1e-6)).to(t.dtype))
+        norm(x)
+        plans.append({"what": "torch.compile of the normalisation", "us": bench(lambda: norm(x))})
+        for block_q, block_k, warps, stages in ((16, 512, 4, 2), (16, 256, 4, 2), (16, 1024, 4, 2), (16, 1024, 8, 2),
+                                                (16, 2048, 8, 2), (16, 512, 4, 3), (16, 512, 8, 2), (32, 256, 4, 2),
+                                                (32, 512, 8, 2), (64, 128, 4, 2), (16, 4096, 8, 1), (16, 128, 4, 3)):
+            entry: dict[str, Any] = {"what": f"operand kernel {block_q}x{block_k}, {warps} warps, {stages} stages"}
+            try:
+                fn = nf.compile(rms_operand, schedule=nf.flash(block_q, block_k, warps, stages))
+                entry["rel_err"] = rel_err(fn(x).float(), ref.float())
+                entry["us"] = bench(lambda: fn(x))
+            except Exception as exc:  # noqa: BLE001 - a plan that fails is the finding
+                entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            print(entry, flush=True)
+            plans.append(entry)
+        for entry in plans:
+            if "us" in entry:
+                entry["gb_s"] = 2 * x.numel() * 2 / entry["us"] / 1e3
+    print("wrote", write_results("library_gemm_probe", {"environment": environment(), "results": rows,
+                                                        "operand_plans": plans}))
 
 
 if __name__ == "__main__":

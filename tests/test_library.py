@@ -138,3 +138,29 @@ def test_what_is_not_a_contraction_of_two_sides_is_declined(randn):
     for prog in (scaled_after, two_outputs):
         decision = library_contraction(prog.trace(x, w), sizes, "f16")
         assert isinstance(decision, Declined) and not decision.estimated
+
+
+@nf.program
+def position_softmax_matmul(c, w):
+    a = c * nf.index(w, 1) * 0.01
+    e = nf.exp(a - a.max(axis=-1, keepdims=True))
+    return nf.einsum("ik,ek->ie", e / e.sum(axis=-1, keepdims=True), w)
+
+
+def test_an_operand_axis_sized_by_an_input_it_does_not_read(randn):
+    """The softmax over positions k reads only c; k's size comes from w, which its program takes
+    along for that (an element-wise operand, `c * k` alone, stays with the fused kernel)."""
+    c, w = randn(16, 1).half(), (randn(WIDE, 64) * 0.1).half()
+    fn = nf.compile(position_softmax_matmul)
+    a = c.float() * torch.arange(64).float() * 0.01
+    torch.testing.assert_close(fn(c, w).float(), torch.softmax(a, -1) @ w.float().T, rtol=2e-2, atol=2e-2)
+    plan = _library_plan(fn)
+    assert plan is not None and plan.operands[1].input == "w"
+    assert {b.name for b in plan.operands[0].program.inputs} == {"c", "w"}
+
+    @nf.program
+    def position_weighted(c, w):
+        return nf.einsum("ik,ek->ie", c * nf.index(w, 1), w)
+
+    decision = library_contraction(position_weighted.trace(c, w), {"i": 16, "k": 64, "e": 10**6}, "f16")
+    assert isinstance(decision, Declined) and "element-wise" in decision.reason

@@ -28,6 +28,7 @@ SHARED_BYTES = 200 * 1024
 # tile (16-bit: two 16-byte vectors), so that many programs share a multiprocessor
 STREAM_THREAD_ELEMENTS = 16
 STREAM_ROWS = 16  # the fewest rows a tile is laid out with
+REREAD_WIDENING = 8  # how much wider a streaming loop's tiles are when a second pass rereads the rows
 
 # a loop whose every tile runs an inner K-loop re-reads its rows' operand (too long to keep in the
 # program) for each loop tile; where one wave of programs re-reads more than L2 holds, those reads
@@ -69,7 +70,7 @@ def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: 
     less. `streams` (`AxisRoles.streams`): each loaded element serves one row, so more rows per
     program only make fewer programs: the tiles are small and many programs share each
     multiprocessor, which keeps more loads in flight; with a second pass over each row (`rereads`,
-    a softmax) the row segments are four times as wide. `k_loop` (`AxisRoles.k_loop`): the loop
+    a softmax) the row segments are `REREAD_WIDENING` times as wide. `k_loop` (`AxisRoles.k_loop`): the loop
     tile is a matmul's K-step, as wide as an inner K-loop's (schedule/tiles.py `MAX_K_BLOCK`), with
     as many pipeline stages (up to `MAX_K_STAGES`) as shared memory holds for the widest output
     tile (`grid_block`): one such program fills a multiprocessor's registers, so deeper stages cost
@@ -118,7 +119,9 @@ def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: 
             block_col = max(16, min(_pow2_at_least(cols), tile // (STREAM_ROWS * held_elems)))
             block_row = min(_pow2_at_least(rows), max(STREAM_ROWS, tile // (block_col * held_elems)))
             if rereads:
-                block_col = min(_pow2_at_least(cols), 4 * block_col)
+                # two passes over each row: wider tiles walk them in fewer, longer iterations
+                # (measured, bench/NOTES.md item 54)
+                block_col = min(_pow2_at_least(cols), REREAD_WIDENING * block_col)
     splits = 1
     prefetch = False
     programs = math.ceil(rows / block_row) * batch

@@ -124,8 +124,21 @@ def library_contraction(program: Program, sizes: dict[str, int], dtype: str) -> 
         expr = _product(sides[j], scale if j == home else 1.0)
         stages = needed_stages([st for st in program.stages if st.name != stage.name] + [Stage(name, axes, expr)],
                                {name})
-        operands.append(Operand(axes, program=subprogram(program, f"{program.name}_operand{j}", stages,
-                                                         [OutputSpec(name, axes)], [])))
+        written = subprogram(program, f"{program.name}_operand{j}", stages, [OutputSpec(name, axes)], [])
+        # an axis only an input it does not read gives the size of (a position k sized by w): that
+        # input comes along for its size
+        sizers = {program.axis_sizes[a][0] for a in _unsized_axes(written) if a in program.axis_sizes}
+        if sizers:
+            written = subprogram(program, written.name, stages, [OutputSpec(name, axes)],
+                                 [inputs[n] for n in sorted(sizers)])
+        if not any(isinstance(st.body, Reduce) for st in written.stages):
+            return Declined(f"operand {j} of {stage.name!r} is element-wise: the fused kernel computes it as it "
+                            "loads its tiles, and no kernel writes it alone")
+        unsized = _unsized_axes(written)
+        if unsized:
+            return Declined(f"operand {j} of {stage.name!r} would have axes {sorted(unsized)} that no input it "
+                            "reads gives the size of")
+        operands.append(Operand(axes, program=written))
     flops = 2.0 * _elements(stage.axes, sizes) * sizes[body.axis]
     written_bytes = sum(_elements(op.axes, sizes) for op in operands if op.program is not None) * GEMM_DTYPES[dtype]
     library_s = flops / LIBRARY_GEMM_FLOPS + 2 * written_bytes / HBM_BYTES_PER_S
@@ -171,6 +184,14 @@ def _sides(factors: list[Expr], out_axes: tuple[str, ...], k: str
                 loose = tuple(f for i, f in enumerate(factors) if not axes_of[i] & own)
                 return sides[0], sides[1], loose
     return None
+
+
+def _unsized_axes(program: Program) -> set[str]:
+    """Axes of `program`'s stages whose size none of its inputs gives."""
+    used = set()
+    for st in program.stages:
+        used |= set(st.axes) | ({st.body.axis} if isinstance(st.body, Reduce) else set())
+    return used - set(program.axis_sizes) - set(program.derived_axes)
 
 
 def _root(parent: list[int], i: int) -> int:
