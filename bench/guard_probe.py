@@ -2,7 +2,8 @@
 """What the empty-row guards of attention's backward cost (issue 13): `nf.attention` (whose output
 is `where(max == -inf, 0, o)`, so every term of its backward carries a guard) beside the same
 attention written plainly (`library.attention` / `causal_attention`, no guard), fwd+bwd, fp16,
-32 heads x 128, with SDPA's cuDNN backend in the same process. Gradients checked against fp32.
+32 heads x 128, with SDPA's cuDNN backend (and `nf_before`, an earlier version, where importable)
+in the same process. Gradients checked against fp32.
 
     python -m bench.guard_probe          (GPU machine; writes $OUT/guard_probe.json)
 """
@@ -18,6 +19,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import neptune_fusion as nf
 from bench.common import bench, environment, rel_err, warm_up_gpu, write_results
 from neptune_fusion.library import attention, causal_attention
+
+try:
+    import nf_before  # type: ignore[import-not-found]
+except ImportError:
+    nf_before = None
 
 
 def main() -> None:
@@ -41,6 +47,8 @@ def main() -> None:
                 return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=case == "causal")
 
         calls["cudnn"] = cudnn
+        if nf_before is not None:  # the package before a change (bench/ab_baseline.sh), same process
+            calls["before"] = lambda: nf_before.attention(q, k, v, mask_mod=mask)
         ref_grads = None
         if seq <= 4096:  # fp32 reference of the gradients on the first 2 heads
             qf, kf, vf = (t.detach()[:, :2].float().requires_grad_() for t in (q, k, v))
@@ -59,6 +67,8 @@ def main() -> None:
             row[f"{name}_us"] = bench(step)
         row["plain_over_guarded"] = row["plain_us"] / row["guarded_us"]
         row["guarded_vs_cudnn"] = row["cudnn_us"] / row["guarded_us"]
+        if "before_us" in row:
+            row["guarded_over_before"] = row["guarded_us"] / row["before_us"]
         print(row, flush=True)
         rows.append(row)
         torch.cuda.empty_cache()

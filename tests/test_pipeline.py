@@ -164,3 +164,12 @@ def test_block_map_loops_read_the_next_tile_index_ahead(n):
     assert ((out.double() - expected).norm() / expected.norm()).item() < 1e-5
     source = nf.explain_attention(q, k, v, mask_mod=document, scale=0.3, schedule=schedule)
     assert "next tile's index) is read ahead" in source and "# last iteration" not in source
+
+
+
+def test_explain_shows_every_kernel_of_the_derived_backward(randn):
+    """A later backward kernel reads an earlier one's result (the row statistic D): explain stands
+    in for it too, and each kernel is explained."""
+    q, k, v = (randn(1, 2, 48, 16) for _ in range(3))
+    text = nf.explain(attention, q, k, v, 0.25, backward=True)
+    assert text.count("=== backward kernel") == 3 and "grad_sum0_part" in text

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import torch
+
 from neptune_fusion.ir.errors import FusionError
 from neptune_fusion.ir.printer import format_expr, format_program
 from neptune_fusion.ir.program import Program
@@ -126,6 +128,10 @@ def _explain_backward(program: Program, named: dict[str, Any], schedule: Schedul
     unplanned: list[tuple[Group, FusionError]] = []
     for i, group in enumerate(partition_loops(gradient.backward, gradient.held)):
         args: dict[str, Any] = {p: named[p] for p in group.program.params}
+        for b in group.program.inputs:  # an earlier kernel's result (the row statistic D) stands in too
+            if b.name not in named and b.name not in stand_ins:
+                stand_ins[b.name] = torch.randn([sizes[a] if a else 1 for a in b.dims], dtype=torch.float32,
+                                                device=next(iter(stand_ins.values())).device)
         args.update({b.name: named[b.name] if b.name in named else stand_ins[b.name] for b in group.program.inputs})
         out.append(f"=== backward kernel {i}: {group.program.name} (results {list(group.results)}) ===")
         if chain_axis(group.program) is None:  # what integrations/autograd.py runs unfused
@@ -144,8 +150,6 @@ def _explain_backward(program: Program, named: dict[str, Any], schedule: Schedul
 def _stand_ins(backward: Program, named: dict[str, Any], sizes_of: Program) -> dict[str, Any]:
     """Random fp32 tensors for the backward's inputs the call does not have (saved statistics,
     output gradients, other kernels' results), shaped by the forward's axis sizes."""
-    import torch
-
 
     sizes = axis_extents(sizes_of, named)
     example = next(v for v in named.values() if isinstance(v, torch.Tensor) and v.is_floating_point())
