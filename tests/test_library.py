@@ -164,3 +164,17 @@ def test_an_operand_axis_sized_by_an_input_it_does_not_read(randn):
 
     decision = library_contraction(position_weighted.trace(c, w), {"i": 16, "k": 64, "e": 10**6}, "f16")
     assert isinstance(decision, Declined) and "element-wise" in decision.reason
+
+
+def test_a_library_contraction_inside_torch_compile(randn):
+    """The registered op runs the route as it does eagerly: no graph break, the eager result."""
+    fn = nf.compile(rmsnorm_matmul)
+    x, w = randn(16, 64).half(), (randn(64, WIDE) * 0.1).half()
+
+    def layer(x, w):
+        return fn(x, w) * 2
+
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x, w), layer(x, w))
+    assert torch._dynamo.explain(layer)(x, w).graph_break_count == 0
+    assert _library_plan(fn) is not None
