@@ -28,7 +28,7 @@ SHARED_BYTES = 200 * 1024
 # tile (16-bit: two 16-byte vectors), so that many programs share a multiprocessor
 STREAM_THREAD_ELEMENTS = 16
 STREAM_ROWS = 16  # the fewest rows a tile is laid out with
-REREAD_WIDENING = 8  # how much wider a streaming loop's tiles are when a second pass rereads the rows
+REREAD_WIDENING = 8  # how much wider a streaming loop's tiles are when a second pass rereads its rows from L2
 
 # a loop whose every tile runs an inner K-loop re-reads its rows' operand (too long to keep in the
 # program) for each loop tile; where one wave of programs re-reads more than L2 holds, those reads
@@ -70,8 +70,8 @@ def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: 
     less. `streams` (`AxisRoles.streams`): each loaded element serves one row, so more rows per
     program only make fewer programs: the tiles are small and many programs share each
     multiprocessor, which keeps more loads in flight; with a second pass over each row (`rereads`,
-    a softmax) the row segments are `REREAD_WIDENING` times as wide. `k_loop` (`AxisRoles.k_loop`): the loop
-    tile is a matmul's K-step, as wide as an inner K-loop's (schedule/tiles.py `MAX_K_BLOCK`), with
+    a softmax) whose rows one wave can keep in L2, the row segments are `REREAD_WIDENING` times as
+    wide. `k_loop` (`AxisRoles.k_loop`): the loop tile is a matmul's K-step, as wide as an inner K-loop's (schedule/tiles.py `MAX_K_BLOCK`), with
     as many pipeline stages (up to `MAX_K_STAGES`) as shared memory holds for the widest output
     tile (`grid_block`): one such program fills a multiprocessor's registers, so deeper stages cost
     it no company. `inner_loop_length`: each loop tile runs inner K-loops over this many elements
@@ -118,8 +118,11 @@ def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: 
             tile = STREAM_THREAD_ELEMENTS * 32 * warps
             block_col = max(16, min(_pow2_at_least(cols), tile // (STREAM_ROWS * held_elems)))
             block_row = min(_pow2_at_least(rows), max(STREAM_ROWS, tile // (block_col * held_elems)))
-            if rereads:
-                # two passes over each row: wider tiles walk them in fewer, longer iterations
+            if rereads and num_sms * block_row * cols * (4 if dtype == "f32" else 2) <= L2_BYTES // 2:
+                # a second pass re-reads each row: while a wave's rows fit in the near half of L2
+                # (each multiprocessor's partition) it reads them from there, and wider tiles walk
+                # both passes in fewer, longer iterations; longer rows come back from HBM either
+                # way, and the narrow streaming tile keeps more programs' loads in flight
                 # (measured, bench/NOTES.md item 54)
                 block_col = min(_pow2_at_least(cols), REREAD_WIDENING * block_col)
     splits = 1
