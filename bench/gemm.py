@@ -28,7 +28,9 @@ def torch_rmsnorm_matmul(x, w):
     return (x.float() / torch.sqrt((x.float() ** 2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) @ w
 
 
-SCHEDULES = [None, *(nf.flash(block_q=r, block_k=c, num_warps=w, num_stages=s)
+# None: what `auto` does (cuBLAS with the operand written, schedule/library.py); nf.flash(): the fused
+# K-loop kernel with the derived plan; then explicit plans of it
+SCHEDULES = [None, nf.flash(), *(nf.flash(block_q=r, block_k=c, num_warps=w, num_stages=s)
                      for r, c, w, s in itertools.product((64, 128), (64, 128), (4, 8), (3, 4)))]
 
 
