@@ -177,6 +177,22 @@ def test_statistics_of_values_far_from_zero_keep_their_digits(mean, schedule):
     torch.testing.assert_close(var.double(), xd.var(-1, unbiased=False), rtol=1e-2 * mean / 1e4 + 1e-4, atol=0)
 
 
+@nf.program
+def offset_rmsnorm_matmul(x, g, w):
+    r = nf.sqrt((x * x).sum(axis=-1, keepdims=True) / x.shape[-1] + 1e-6)
+    return nf.einsum("ik,ek->ie", x / r * g + 0.5, w)
+
+
+def test_a_basis_coefficient_with_a_square_root_lowers():
+    """An RMSNorm operand with an offset expands into basis sums whose coefficient holds
+    1/sqrt(mean square): SymPy writes it as a power of 1/2, which the kernels take as rsqrt
+    (an unsupported `pow` before)."""
+    x, g, w = randn(20, 40), randn(40), randn(30, 40)
+    xd = x.double()
+    ref = (xd / torch.sqrt((xd * xd).mean(-1, keepdim=True) + 1e-6) * g.double() + 0.5) @ w.double().T
+    torch.testing.assert_close(nf.compile(offset_rmsnorm_matmul)(x, g, w).double(), ref, rtol=1e-4, atol=1e-4)
+
+
 def test_temperature_softmax_with_exp2_and_bias():
     x, b = randn(5, 77), randn(77)
     expected = torch.softmax((x + b) / 0.7 * torch.log(torch.tensor(2.0)), -1)

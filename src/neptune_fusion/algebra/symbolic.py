@@ -168,6 +168,12 @@ def from_sympy(value: sp.Expr, table: SymbolTable) -> Expr:
                 for _ in range(int(expo) - 1):
                     out = Binary("mul", out, go(base))
                 return out
+            if expo.is_Rational and expo.q == 2:  # SymPy writes sqrt(b) as b**(1/2): kernels take sqrt
+                root = Unary("sqrt", go(base)) if expo.p > 0 else Unary("rsqrt", go(base))
+                out = root
+                for _ in range(abs(int(expo.p)) - 1):
+                    out = Binary("mul", out, root)
+                return out
             return Binary("pow", go(base), go(expo))
         if isinstance(node, sp.Max):
             return _fold("max", [go(a) for a in node.args])
