@@ -217,3 +217,10 @@ def test_random_prologues_through_cublas_match_the_reference(seed, randn):
     fn = nf.compile(prog)
     out = fn(x, g, c, w)
     torch.testing.assert_close(out.float(), _reference(prog, (x, g, c, w)), rtol=3e-2, atol=3e-2)
+
+
+def test_autotune_leaves_a_library_contraction_to_cublas(randn):
+    x, w = randn(16, 64).half(), (randn(64, WIDE) * 0.1).half()
+    fn = nf.compile(rmsnorm_matmul, schedule=nf.autotune())
+    torch.testing.assert_close(fn(x, w).float(), _reference(rmsnorm_matmul, (x, w)), rtol=2e-2, atol=2e-2)
+    assert _library_plan(fn) is not None
