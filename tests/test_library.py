@@ -224,3 +224,13 @@ def test_autotune_leaves_a_library_contraction_to_cublas(randn):
     fn = nf.compile(rmsnorm_matmul, schedule=nf.autotune())
     torch.testing.assert_close(fn(x, w).float(), _reference(rmsnorm_matmul, (x, w)), rtol=2e-2, atol=2e-2)
     assert _library_plan(fn) is not None
+
+
+def test_an_operand_larger_than_the_output_stays_fused(randn):
+    """A down-projection (the normalised side wider than the output) would hold more memory than
+    the call's output for the operand: declined by the estimate, fused."""
+    x, w = randn(8, 40), randn(40, 24)
+    decision = library_contraction(rmsnorm_matmul.trace(x, w), {"i": 64, "k": 20000, "e": 4096}, "f16")
+    assert isinstance(decision, Declined) and decision.estimated and "memory" in decision.reason
+    assert isinstance(library_contraction(rmsnorm_matmul.trace(x, w), {"i": 64, "k": 4096, "e": 4096}, "f16"),
+                      LibraryContraction)

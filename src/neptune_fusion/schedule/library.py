@@ -10,7 +10,8 @@ cores than cuBLAS. The choice is the estimate of the two: the GEMM's FLOPs at cu
 the written operands' bytes (written, then read) at HBM's, against the FLOPs at the K-loop's share
 of that rate. Each written element serves one product per output column of its side, so the library
 wins where that side is long (about 2600 columns on the H200: a model's width after a
-normalisation, not attention's head dim).
+normalisation, not attention's head dim). The written operands may take at most the output's
+memory (the fused kernel holds none).
 
 Example:
     >>> import torch
@@ -19,7 +20,7 @@ Example:
     >>> plan = library_contraction(rmsnorm_matmul.trace(x, w), {"i": 64, "k": 512, "e": 4096}, "f16")
     >>> plan.spec, [op.input for op in plan.operands], plan.operands[0].axes
     ('ik,ke->ie', [None, 'w'], ('i', 'k'))
-    >>> library_contraction(rmsnorm_matmul.trace(x, w), {"i": 64, "k": 512, "e": 256}, "f16").reason[:29]
+    >>> library_contraction(rmsnorm_matmul.trace(x, w), {"i": 64, "k": 128, "e": 512}, "f16").reason[:29]
     'the fused K-loop is estimated'
 """
 
@@ -140,7 +141,13 @@ def library_contraction(program: Program, sizes: dict[str, int], dtype: str) -> 
                             "reads gives the size of")
         operands.append(Operand(axes, program=written))
     flops = 2.0 * _elements(stage.axes, sizes) * sizes[body.axis]
-    written_bytes = sum(_elements(op.axes, sizes) for op in operands if op.program is not None) * GEMM_DTYPES[dtype]
+    written = sum(_elements(op.axes, sizes) for op in operands if op.program is not None)
+    if written > _elements(stage.axes, sizes):
+        # the fused kernel holds no operand; the library route may hold at most what the output
+        # it allocates anyway takes (a down-projection's wide operand stays fused)
+        return Declined(f"the written operands ({written} elements) would take more memory than the output "
+                        f"({_elements(stage.axes, sizes)})", estimated=True)
+    written_bytes = written * GEMM_DTYPES[dtype]
     library_s = flops / LIBRARY_GEMM_FLOPS + 2 * written_bytes / HBM_BYTES_PER_S
     fused_s = flops / (LIBRARY_GEMM_FLOPS * K_LOOP_SHARE)
     if library_s >= fused_s:
