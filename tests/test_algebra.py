@@ -421,6 +421,17 @@ def test_max_of_normalised_weights_needs_a_positive_normaliser():
     assert "l.old" in format_expr(h) and "m.old" in format_expr(h)
 
 
+def test_max_scaled_by_the_root_of_a_sum_of_squares_needs_its_sign():
+    """max_j x_j * g_j * sqrt(s + eps): the repair t * sqrt(s' + eps) / sqrt(s + eps) is monotone
+    only if s >= 0, which a sum of squares is (its running value too, from 0 on)."""
+    s = ld("s", "i")
+    g = X_IJ * ld("g", "j") * Unary("sqrt", Binary("add", s, Const(1e-5)))
+    with pytest.raises(FusionError, match="not provably monotone"):
+        derive_repair("w", "max", "j", g, ("s",))
+    h = derive_repair("w", "max", "j", g, ("s",), nonnegative=frozenset({"s"})).h
+    assert "s.old" in format_expr(h) and "s.new" in format_expr(h)
+
+
 def test_positive_maps():
     from neptune_fusion.algebra.repair import positive_map
 

@@ -193,6 +193,22 @@ def test_a_basis_coefficient_with_a_square_root_lowers():
     torch.testing.assert_close(nf.compile(offset_rmsnorm_matmul)(x, g, w).double(), ref, rtol=1e-4, atol=1e-4)
 
 
+@nf.program
+def weighted_max_of_normalised_rows(x, g):
+    return (x / nf.sqrt((x * x).sum(axis=-1, keepdims=True) / x.shape[-1] + 1e-5) * g).max(axis=-1)
+
+
+@pytest.mark.parametrize("schedule", [None, nf.split_k(splits=3)])
+def test_a_max_repaired_by_the_ratio_of_roots_of_sums_of_squares(schedule):
+    """The running max of x * g / sqrt(mean square) repairs by a ratio of square roots, positive
+    because a sum of squares is non-negative (refused as not provably monotone before)."""
+    x, g = randn(44, 209), randn(209)
+    xd = x.double()
+    ref = (xd / torch.sqrt((xd * xd).mean(-1, keepdim=True) + 1e-5) * g.double()).max(-1).values
+    torch.testing.assert_close(nf.compile(weighted_max_of_normalised_rows, schedule=schedule)(x, g).double(), ref,
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_temperature_softmax_with_exp2_and_bias():
     x, b = randn(5, 77), randn(77)
     expected = torch.softmax((x + b) / 0.7 * torch.log(torch.tensor(2.0)), -1)

@@ -51,7 +51,8 @@ class Repair:
 
 
 def derive_repair(stage: str, reducer: str, axis: str, g: Expr, producers: tuple[str, ...],
-                  positive: frozenset[str] = frozenset(), sums: frozenset[str] = frozenset()) -> Repair:
+                  positive: frozenset[str] = frozenset(), sums: frozenset[str] = frozenset(),
+                  nonnegative: frozenset[str] = frozenset()) -> Repair:
     """Derive and prove the repair of reduction `stage` (`reducer` over `axis` of `g`).
 
     `positive`: producers whose running value is > 0 once it has seen a term (reductions of
@@ -60,12 +61,14 @@ def derive_repair(stage: str, reducer: str, axis: str, g: Expr, producers: tuple
     exponentiates a change in one is refused, since the running value can overflow float32 long
     before the last term brings it back (`exp((x - sum(x)) / 2)`, where the plain program gives 0
     and a rolling one inf * 0). Sums of non-negative terms (`nonnegative_map`) only grow, from 0 to
-    the final sum, so their exponentials stay between the inputs' and the final ones.
+    the final sum, so their exponentials stay between the inputs' and the final ones; `nonnegative`
+    names those producers (their running values are >= 0 from the identity on), and the proofs
+    may use that too (a max of `x * g / sqrt(sum x^2)` repairs by a positive ratio).
     Raises FusionError naming the stage, the reduction and the condition that failed.
     """
     try:
         return _derive_cached(stage, reducer, axis, g, tuple(sorted(producers)), frozenset(positive) & set(producers),
-                              frozenset(sums) & set(producers))
+                              frozenset(sums) & set(producers), frozenset(nonnegative) & set(producers))
     except _SYMPY_FAILURES as exc:
         raise FusionError("repair derivation", stage, f"{reducer} over {axis}",
                           f"the algebra (SymPy) could not decide a condition on the map {format_expr(g)}: "
@@ -78,7 +81,8 @@ _SYMPY_FAILURES = (NotImplementedError, TypeError, ValueError, ArithmeticError, 
 
 @functools.lru_cache(maxsize=1024)
 def _derive_cached(stage: str, reducer: str, axis: str, g: Expr, producers: tuple[str, ...],
-                   positive: frozenset[str], sums: frozenset[str] = frozenset()) -> Repair:
+                   positive: frozenset[str], sums: frozenset[str] = frozenset(),
+                   nonnegative: frozenset[str] = frozenset()) -> Repair:
     where = f"{reducer} over {axis}"
 
     def fail(condition: str) -> FusionError:
@@ -87,7 +91,7 @@ def _derive_cached(stage: str, reducer: str, axis: str, g: Expr, producers: tupl
     if reducer in ("max", "min"):
         g = _drop_identity_guards(g, REDUCER_IDENTITY[reducer], producers)
     try:
-        g_old, table = S.to_sympy(g, set(producers), S.SymbolTable(positive=positive))
+        g_old, table = S.to_sympy(g, set(producers), S.SymbolTable(positive=positive, nonnegative=nonnegative))
     except S.NotAlgebraic as exc:
         raise fail(f"the map {format_expr(g)} uses {exc} which the algebra cannot reason about") from None
     # Subexpressions free of the running values are opaque symbols. Those that vary along the

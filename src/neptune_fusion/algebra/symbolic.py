@@ -51,6 +51,7 @@ class SymbolTable:
     running: dict[str, sp.Symbol] = field(default_factory=dict)
     running_new: dict[str, sp.Symbol] = field(default_factory=dict)
     positive: frozenset[str] = frozenset()  # running values known > 0 (reductions of positive maps)
+    nonnegative: frozenset[str] = frozenset()  # running values known >= 0 (sums of non-negative terms)
 
     def old(self, name: str) -> sp.Symbol:
         return self.running.setdefault(name, self._running_symbol(f"r_{name}", name))
@@ -59,7 +60,9 @@ class SymbolTable:
         return self.running_new.setdefault(name, self._running_symbol(f"r_{name}'", name))
 
     def _running_symbol(self, text: str, name: str) -> sp.Symbol:
-        return sp.Symbol(text, positive=True) if name in self.positive else sp.Symbol(text, real=True)
+        if name in self.positive:
+            return sp.Symbol(text, positive=True)
+        return sp.Symbol(text, nonnegative=True) if name in self.nonnegative else sp.Symbol(text, real=True)
 
     def constant(self, expr: Expr) -> sp.Symbol:
         if expr not in self.opaque:
