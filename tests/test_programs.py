@@ -209,6 +209,24 @@ def test_a_max_repaired_by_the_ratio_of_roots_of_sums_of_squares(schedule):
                                rtol=1e-5, atol=1e-5)
 
 
+@nf.program
+def max_over_an_absolute_row_statistic(x, g):
+    m = x.max(axis=-1, keepdims=True)
+    s = m + nf.log(nf.exp(x - m).sum(axis=-1, keepdims=True))
+    return (x / (nf.abs_(s) + 1.0) * g).max(axis=-1)
+
+
+@pytest.mark.parametrize("schedule", [None, nf.split_k(splits=3)])
+def test_a_repair_holding_an_absolute_value(schedule):
+    """The running max of x * g / (|logsumexp| + 1) repairs by a ratio of absolute values, which
+    SymPy returns as Abs: written back as the IR's abs (an internal NotAlgebraic error before)."""
+    x, g = randn(44, 665), randn(665)
+    xd = x.double()
+    ref = (xd / (torch.logsumexp(xd, -1, keepdim=True).abs() + 1.0) * g.double()).max(-1).values
+    torch.testing.assert_close(nf.compile(max_over_an_absolute_row_statistic, schedule=schedule)(x, g).double(), ref,
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_temperature_softmax_with_exp2_and_bias():
     x, b = randn(5, 77), randn(77)
     expected = torch.softmax((x + b) / 0.7 * torch.log(torch.tensor(2.0)), -1)

@@ -73,6 +73,9 @@ def derive_repair(stage: str, reducer: str, axis: str, g: Expr, producers: tuple
         raise FusionError("repair derivation", stage, f"{reducer} over {axis}",
                           f"the algebra (SymPy) could not decide a condition on the map {format_expr(g)}: "
                           f"{type(exc).__name__}: {exc}") from None
+    except S.NotAlgebraic as exc:  # a repair SymPy found but the IR cannot write
+        raise FusionError("repair derivation", stage, f"{reducer} over {axis}",
+                          f"the repair of the map {format_expr(g)} has no form in the IR: {exc}") from None
 
 
 # what SymPy raises on forms it cannot handle (limits, series and comparisons of Max, Piecewise, ...)

@@ -142,6 +142,8 @@ def from_sympy(value: sp.Expr, table: SymbolTable) -> Expr:
             return Unary("log", go(node.args[0]))
         if isinstance(node, sp.tanh):
             return Unary("tanh", go(node.args[0]))
+        if isinstance(node, sp.Abs):
+            return Unary("abs", go(node.args[0]))
         if isinstance(node, sp.Add):
             args = sorted(node.args, key=lambda a: (a.could_extract_minus_sign(), str(a) != "t"))
             out = go(args[0])
