@@ -407,16 +407,18 @@ def max_of_exp_of_a_sum(x):
 
 
 @pytest.mark.parametrize("schedule", [None, nf.split_k(splits=3)])
-def test_a_repair_exponentiating_a_running_sum_is_refused_not_overflowed(schedule):
-    """Partial sums are not bounded by the final one: exp((x - partial) / 2) overflows float32 on
-    the way while the true maximum is tiny (fuzz seed 173 gave nan where the reference gives ~0)."""
+def test_a_sum_no_repair_may_exponentiate_runs_in_an_earlier_kernel(schedule):
+    """Partial sums are not bounded by the final one: a rolling exp((x - partial) / 2) overflows
+    float32 on the way while the true maximum is tiny (fuzz seed 173 gave nan where the reference
+    gives ~0). The one-loop fusion refuses it, naming the stage and the condition; the compiled
+    program then runs the sum in an earlier kernel and the max over the finished sum."""
     x = randn(4, 40) * 30
     with pytest.raises(nf.FusionError, match=r"stage 'max0'.*running sum.*overflow"):
-        nf.compile(max_of_exp_of_a_sum, schedule=schedule)(x)
-    with pytest.warns(UserWarning, match="unfused"):
-        out = nf.compile(max_of_exp_of_a_sum, schedule=schedule, allow_fallback=True)(x)
+        fuse(max_of_exp_of_a_sum.trace(x))
+    fn = nf.compile(max_of_exp_of_a_sum, schedule=schedule)
     expected = torch.exp((x.double() - x.double().sum(-1, keepdim=True)) * 0.5).amax(-1)
-    torch.testing.assert_close(out, expected.float(), rtol=1e-4, atol=0.0)
+    torch.testing.assert_close(fn(x), expected.float(), rtol=1e-4, atol=0.0)
+    assert any(len(exe.groups) == 2 for exe in fn._cache.values())
 
 
 @pytest.mark.parametrize("schedule", [None, nf.split_k(splits=4)])

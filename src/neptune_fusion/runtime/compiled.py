@@ -46,7 +46,7 @@ from neptune_fusion.runtime.reference import axis_extents, run_reference
 from neptune_fusion.runtime.state import CALL_STATE
 from neptune_fusion.schedule.auto import Plan, choose, fit
 from neptune_fusion.schedule.library import LibraryContraction, library_contraction
-from neptune_fusion.schedule.partition import Group, partition
+from neptune_fusion.schedule.partition import Group, partition, split_at
 from neptune_fusion.schedule.pipeline import SPLIT_AXIS, Step, combine_program, fuse, with_split_k
 from neptune_fusion.schedule.templates import Auto, Autotune, Flash, Schedule, SplitK
 from neptune_fusion.schedule.tiles import (
@@ -176,9 +176,13 @@ class Executable:
     groups: tuple[tuple[Group, Executable], ...] = ()
     record: KernelPlan | None = None  # every decision behind the main kernel
     library: LibraryRun | None = None  # the output is a library contraction of these operands
+    apart: str | None = None  # why the program runs as several kernels, where fusing it failed
 
 
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+# fusion failures a later kernel for the failing reduction removes: its repair, and a loop that
+# cannot hold what it reads
+SPLITTABLE_PASSES = ("repair derivation", "rolling update")
 
 
 def _check_tensors(program: Program, args: dict[str, Any], interpreter: bool) -> torch.device:
@@ -560,7 +564,17 @@ class Compiled:
         program = groups[0].program  # as rewritten before partitioning (transform/distribute.py)
         dtypes = {b.name: input_dtype_name(args[b.name].dtype) for b in program.inputs}
         main_dtype = next(dtypes[b.name] for b in program.inputs if args[b.name].is_floating_point())
-        fused = _fuse_cached(program, 1)[-1].program
+        try:
+            fused = _fuse_cached(program, 1)[-1].program
+        except FusionError as exc:
+            # a reduction that cannot join the loop of those it reads runs in a later kernel,
+            # which reads them finished (schedule/partition.py `split_at`)
+            apart = split_at(program, exc.stage) if exc.pass_name in SPLITTABLE_PASSES else None
+            if apart is None:
+                raise
+            why = (f"{exc.stage!r} could not join the fused loop of the reductions it reads ({exc}); it runs in a "
+                   "later kernel that reads them finished")
+            return self._grouped(program, apart, args, device, options, why)
         fused, layout = _choose_layout(fused, axis_extents(fused, args))
         roles = _roles_of(fused)
         sizes = axis_extents(fused, args)
@@ -734,7 +748,7 @@ class Compiled:
         return exe
 
     def _grouped(self, program: Program, groups: list[Group], args: dict[str, Any],
-                 device: torch.device, options: Options) -> Executable:
+                 device: torch.device, options: Options, why: str | None = None) -> Executable:
         """One executable per group (schedule/partition.py), each compiled for example arguments:
         the call's own, and for the reductions one group writes for the next, contiguous fp32
         tensors of their shapes (what the launcher allocates for them)."""
@@ -752,7 +766,7 @@ class Compiled:
             env.update(_materialised(program, group, sizes, device))
         first = parts[0][1]
         self._cache[key] = Executable(steps, first.plan, first.main, first.combine, first.combine_steps,
-                                      first.masks, first.combine_tile, tuple(parts))
+                                      first.masks, first.combine_tile, tuple(parts), apart=why)
         return self._cache[key]
 
     def _library(self, program: Program, plan: LibraryContraction, args: dict[str, Any],

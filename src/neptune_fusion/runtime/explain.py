@@ -79,7 +79,8 @@ def explain(program: ProgramDef | Program | Compiled | Callable[..., Any], *args
     if isinstance(declined, Declined) and declined.estimated:
         section("library contraction (schedule/library.py)", f"not used: {declined.reason}")
     if exe.groups:
-        section(f"{len(exe.groups)} kernels", why_apart(prog, long_axes(prog, named), narrow_inputs(prog, named)) or "")
+        section(f"{len(exe.groups)} kernels",
+                exe.apart or why_apart(prog, long_axes(prog, named), narrow_inputs(prog, named)) or "")
     for i, step in enumerate(exe.steps):
         section(f"{i}. {step.name}", format_program(step.program))
     plan = exe.plan

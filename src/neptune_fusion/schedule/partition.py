@@ -123,6 +123,35 @@ def partition(program: Program, long_axes: frozenset[str] = frozenset(),
     return groups
 
 
+def split_at(program: Program, reduction: str) -> list[Group] | None:
+    """Two groups where the reduction `reduction` cannot join the fused loop of the reductions it
+    reads (no repair exists for its map, or it reads them through a stage the loop cannot hold):
+    it and every stage that reads it run in a later kernel, which reads those reductions as
+    materialised inputs and so needs no repair for them. None where `reduction` is not one of
+    `program`'s reductions, or no other reduction would stay in the earlier kernel (cutting would
+    not remove what failed).
+
+    Example: a max of values scaled by a row sum of either sign (no monotone repair exists):
+        >>> import torch, neptune_fusion as nf
+        >>> @nf.program
+        ... def scaled_max(x):
+        ...     return (x * x.sum(axis=-1, keepdims=True)).max(axis=-1)
+        >>> first, second = split_at(scaled_max.trace(torch.randn(4, 8)), "max0")
+        >>> [b.name for b in second.program.inputs]
+        ['x', 'sum0']
+    """
+    stages = {st.name: st for st in program.stages if isinstance(st, Stage)}
+    if reduction not in stages or stages[reduction].reduce_op is None:
+        return None
+    late = {n for n in stages if n == reduction or reduction in transitive_reads(program, n)}
+    if not any(st.reduce_op is not None and n not in late for n, st in stages.items()):
+        return None
+    first, second = _split(program, late)
+    if not first.program.stages or not second.program.stages:
+        return None
+    return [first, second]
+
+
 def why_apart(program: Program, long_axes: frozenset[str] = frozenset(),
               narrow: frozenset[str] = frozenset()) -> str | None:
     """Why `program` needs more than one kernel (None when it does not)."""
