@@ -1,0 +1,108 @@
+"""Random small programs that are not attention on the CPU (Triton's interpreter): a row statistic
+(mean, max, root mean square, standard deviation, logsumexp, max |x|), an element-wise map of it
+and the row (a normalisation, an affine mix, an exponential, a sigmoid), optionally times a
+per-column weight, then a matmul, a row sum, a column sum, a max, or the map itself as the output;
+fp32 and fp16, sizes drawn so no axis need be a multiple of a tile, output widths on both sides of
+the cuBLAS break-even (schedule/library.py). Each against the reference executor.
+
+    TRITON_INTERPRET=1 PYTHONPATH=. python bench/program_fuzz.py SEED COUNT
+
+Prints each case that fails (an error above tolerance, an exception other than a FusionError),
+each FusionError (a refusal: right, or a fusion missed, to be read), and a summary.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+from typing import Any
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+
+import neptune_fusion as nf  # noqa: E402
+
+STATISTICS = ("mean", "max", "rms", "std", "logsumexp", "absmax")
+MAPS = ("norm", "affine", "exp", "sigmoid")
+TAILS = ("matmul", "rowsum", "colsum", "max", "out")
+
+
+def statistic(kind: str, x: Any) -> Any:
+    if kind == "mean":
+        return x.sum(axis=-1, keepdims=True) / x.shape[-1]
+    if kind == "max":
+        return x.max(axis=-1, keepdims=True)
+    if kind == "rms":
+        return nf.sqrt((x * x).sum(axis=-1, keepdims=True) / x.shape[-1] + 1e-5)
+    if kind == "std":
+        m = x.sum(axis=-1, keepdims=True) / x.shape[-1]
+        return nf.sqrt(((x - m) * (x - m)).sum(axis=-1, keepdims=True) / x.shape[-1] + 1e-5)
+    if kind == "logsumexp":
+        m = x.max(axis=-1, keepdims=True)
+        return m + nf.log(nf.exp(x - m).sum(axis=-1, keepdims=True))
+    return nf.abs_(x).max(axis=-1, keepdims=True) + 1.0
+
+
+def mapped(kind: str, stat: str, x: Any, s: Any) -> Any:
+    signed = stat in ("mean", "max", "logsumexp")  # statistics of either sign
+    if kind == "norm":
+        return x / (nf.abs_(s) + 1.0) if signed else x / s
+    if kind == "affine":
+        return x * 0.5 + s
+    if kind == "exp":
+        return nf.exp(x - s) if stat in ("max", "logsumexp") else nf.exp(x * 0.1) * s
+    return nf.sigmoid(x) * s
+
+
+def make(rng: random.Random) -> tuple[Any, tuple[str, str, str, bool]]:
+    """A random program (x, g, w) and what it is made of."""
+    stat, kind, tail, weighted = rng.choice(STATISTICS), rng.choice(MAPS), rng.choice(TAILS), rng.random() < 0.4
+
+    def body(x, g, w):  # noqa: ANN001, ANN202 - traced by nf.program
+        a = mapped(kind, stat, x, statistic(stat, x))
+        if weighted:
+            a = a * g
+        if tail == "matmul":
+            return nf.einsum("ik,ke->ie", a, w)
+        if tail == "rowsum":
+            return a.sum(axis=-1)
+        if tail == "colsum":
+            return a.sum(axis=0)
+        if tail == "max":
+            return a.max(axis=-1)
+        return a
+
+    return nf.program(body), (stat, kind, tail, weighted)
+
+
+def main(seed: int, count: int) -> None:
+    rng = random.Random(seed)
+    bad = refused = 0
+    for case in range(count):
+        prog, what = make(rng)
+        m, k, n = rng.randint(1, 48), rng.randint(1, 700), rng.choice([16, 200, 3000])
+        dtype = rng.choice([torch.float32, torch.float16])
+        x = (torch.randn(m, k) * rng.choice([0.5, 2.0]) + rng.choice([0.0, 3.0])).to(dtype)
+        g, w = torch.randn(k).to(dtype), (torch.randn(k, n) * k ** -0.5).to(dtype)
+        label = f"{case} {what} {(m, k, n)} {dtype}"
+        try:
+            out = nf.compile(prog)(x, g, w)
+            floats = tuple(t.float() for t in (x, g, w))
+            ref = nf.run_reference(prog.trace(*floats), dict(prog.bind(*floats))).double()
+            err = (out.double() - ref).abs().max().item() / (ref.abs().max().item() + 1e-6)
+            if not err <= (3e-2 if dtype == torch.float16 else 1e-4):
+                bad += 1
+                print("BAD", label, f"err {err:.2e}", flush=True)
+        except nf.FusionError as exc:
+            refused += 1
+            print("REFUSED", label, str(exc)[:200], flush=True)
+        except Exception as exc:  # noqa: BLE001 - a crash is the finding
+            bad += 1
+            print("ERR", label, type(exc).__name__, str(exc)[:200], flush=True)
+    print(f"seed {seed}: {count} cases, {bad} failed, {refused} refused")
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]))
