@@ -109,8 +109,8 @@ def library_contraction(program: Program, sizes: dict[str, int], dtype: str) -> 
     direct = [_direct_input(side, inputs) for side in sides]
     home = None  # the side the loose factors and the constant join: one written anyway, else the smaller
     if split[2] or scale != 1.0:
-        written = [j for j in (0, 1) if direct[j] is None]
-        home = written[0] if written else min((0, 1), key=lambda j: _elements(_side_axes(sides[j], body.axis,
+        written_sides = [j for j in (0, 1) if direct[j] is None]
+        home = written_sides[0] if written_sides else min((0, 1), key=lambda j: _elements(_side_axes(sides[j], body.axis,
                                                                                           stage.axes), sizes))
         sides[home] = (*sides[home], *split[2])
         direct[home] = None
@@ -125,21 +125,21 @@ def library_contraction(program: Program, sizes: dict[str, int], dtype: str) -> 
         expr = _product(sides[j], scale if j == home else 1.0)
         stages = needed_stages([st for st in program.stages if st.name != stage.name] + [Stage(name, axes, expr)],
                                {name})
-        written = subprogram(program, f"{program.name}_operand{j}", stages, [OutputSpec(name, axes)], [])
+        writer = subprogram(program, f"{program.name}_operand{j}", stages, [OutputSpec(name, axes)], [])
         # an axis only an input it does not read gives the size of (a position k sized by w): that
         # input comes along for its size
-        sizers = {program.axis_sizes[a][0] for a in _unsized_axes(written) if a in program.axis_sizes}
+        sizers = {program.axis_sizes[a][0] for a in _unsized_axes(writer) if a in program.axis_sizes}
         if sizers:
-            written = subprogram(program, written.name, stages, [OutputSpec(name, axes)],
-                                 [inputs[n] for n in sorted(sizers)])
-        if not any(isinstance(st.body, Reduce) for st in written.stages):
+            writer = subprogram(program, writer.name, stages, [OutputSpec(name, axes)],
+                                [inputs[n] for n in sorted(sizers)])
+        if not any(isinstance(st.body, Reduce) for st in writer.stages):
             return Declined(f"operand {j} of {stage.name!r} is element-wise: the fused kernel computes it as it "
                             "loads its tiles, and no kernel writes it alone")
-        unsized = _unsized_axes(written)
+        unsized = _unsized_axes(writer)
         if unsized:
             return Declined(f"operand {j} of {stage.name!r} would have axes {sorted(unsized)} that no input it "
                             "reads gives the size of")
-        operands.append(Operand(axes, program=written))
+        operands.append(Operand(axes, program=writer))
     flops = 2.0 * _elements(stage.axes, sizes) * sizes[body.axis]
     written = sum(_elements(op.axes, sizes) for op in operands if op.program is not None)
     if written > _elements(stage.axes, sizes):
