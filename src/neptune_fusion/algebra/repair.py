@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -313,9 +314,6 @@ def polynomial_split(g: Expr, producers: tuple[str, ...], max_degree: int = 4,
         >>> sorted(format_expr(c) for _, c in shifted.terms)
         ['(x[j] - x0[]) * (x[j] - x0[])', '1', '2 * x0[] - 2 * x[j]']
     """
-    import itertools
-    import math
-
     import sympy as sp
 
     try:

@@ -760,7 +760,7 @@ class Compiled:
         parts: list[tuple[Group, Executable]] = []
         steps: list[Step] = []
         for k, group in enumerate(groups):
-            exe = self.executable_for(group.program, {n: env[n] for n in _arg_names(group.program)}, options=options)
+            exe = self.executable_for(group.program, {n: env[n] for n in arg_names(group.program)}, options=options)
             parts.append((group, exe))
             steps += [Step(f"kernel {k + 1} of {len(groups)}: {s.name}", s.program) for s in exe.steps]
             env.update(_materialised(program, group, sizes, device))
@@ -782,7 +782,7 @@ class Compiled:
             if operand.program is None:
                 parts.append(None)
                 continue
-            exe = self.executable_for(operand.program, {n: args[n] for n in _arg_names(operand.program)},
+            exe = self.executable_for(operand.program, {n: args[n] for n in arg_names(operand.program)},
                                       options=options)
             parts.append(exe)
             steps += [Step(f"operand {j} of {plan.stage} (for cuBLAS): {s.name}", s.program) for s in exe.steps]
@@ -798,22 +798,22 @@ class Compiled:
         assert exe.library is not None
         plan = exe.library.plan
         position = {n: i for i, n in enumerate(order)}
-        sources: list[tuple[int, Callable[[list[Any]], Any] | None, list[int]]] = []
+        # per operand: the call's input at a position, or the launcher writing it and its arguments' positions
+        sources: list[int | tuple[Callable[[Sequence[Any]], Any], list[int]]] = []
         for operand, part in zip(plan.operands, exe.library.operands):
-            if operand.program is None or part is None:
-                sources.append((position[operand.input], None, []))  # type: ignore[index]
-                continue
-            names = _arg_names(operand.program)
-            launch = self._launcher(part, operand.program, {n: example[n] for n in names}, names)
-            sources.append((-1, launch, [position[n] for n in names]))
+            if operand.program is None:
+                sources.append(position[operand.input or ""])
+            else:
+                names = arg_names(operand.program)
+                launch = self._launcher(part, operand.program, {n: example[n] for n in names}, names)
+                sources.append((launch, [position[n] for n in names]))
         sizes = axis_extents(program, example)
         spec = program.outputs[0]
         view = [sizes[d] if d else 1 for d in spec.view] if spec.view is not None else None
         equation = plan.spec
 
         def run(values: Sequence[Any]) -> Any:
-            operands = [values[i] if launch is None else launch([values[j] for j in picks])
-                        for i, launch, picks in sources]
+            operands = [values[s] if isinstance(s, int) else s[0]([values[j] for j in s[1]]) for s in sources]
             out = torch.einsum(equation, *operands)
             return out if view is None else out.view(view)
 
@@ -828,7 +828,7 @@ class Compiled:
         device = example[program.inputs[0].name].device
         runs = []
         for group, part in exe.groups:
-            names = _arg_names(group.program)
+            names = arg_names(group.program)
             runs.append((names, self._launcher(part, group.program, {n: env[n] for n in names}, names), group.results))
             env.update(_materialised(program, group, sizes, device))
         # a group that reads only materialised (fp32) values would return fp32: outputs keep the
@@ -1054,7 +1054,7 @@ class Compiled:
                 tile.grid_dependency == "dependent")
 
 
-def _arg_names(program: Program) -> list[str]:
+def arg_names(program: Program) -> list[str]:
     """A group program's arguments, by name: its inputs, then its scalar parameters."""
     return [b.name for b in program.inputs] + list(program.params)
 

@@ -29,7 +29,7 @@ from neptune_fusion.ir.errors import FusionError
 from neptune_fusion.ir.printer import format_expr, format_program
 from neptune_fusion.ir.program import Program
 from neptune_fusion.lang.trace import ProgramDef
-from neptune_fusion.runtime.compiled import Compiled, gemm_dtype, long_axes, narrow_inputs
+from neptune_fusion.runtime.compiled import Compiled, arg_names, gemm_dtype, long_axes, narrow_inputs
 from neptune_fusion.runtime.reference import axis_extents
 from neptune_fusion.schedule.library import Declined, library_contraction
 from neptune_fusion.schedule.partition import Group, why_apart
@@ -71,9 +71,8 @@ def explain(program: ProgramDef | Program | Compiled | Callable[..., Any], *args
         section("library contraction (schedule/library.py)", exe.library.plan.describe())
         for j, operand in enumerate(exe.library.plan.operands):
             if operand.program is not None:
-                section(f"operand {j}: {operand.program.name}", explain(
-                    operand.program, **{n: named[n] for n in (*(b.name for b in operand.program.inputs),
-                                                             *operand.program.params)}))
+                section(f"operand {j}: {operand.program.name}",
+                        explain(operand.program, **{n: named[n] for n in arg_names(operand.program)}))
         return "\n".join(out)
     declined = library_contraction(prog, axis_extents(prog, named), gemm_dtype(prog, named))
     if isinstance(declined, Declined) and declined.estimated:

@@ -71,8 +71,8 @@ def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: 
     program only make fewer programs: the tiles are small and many programs share each
     multiprocessor, which keeps more loads in flight; with a second pass over each row (`rereads`,
     a softmax) whose rows one wave can keep in L2, the row segments are `REREAD_WIDENING` times as
-    wide. `k_loop` (`AxisRoles.k_loop`): the loop tile is a matmul's K-step, as wide as an inner K-loop's (schedule/tiles.py `MAX_K_BLOCK`), with
-    as many pipeline stages (up to `MAX_K_STAGES`) as shared memory holds for the widest output
+    wide. `k_loop` (`AxisRoles.k_loop`): the loop tile is a matmul's K-step, as wide as an inner
+    K-loop's (schedule/tiles.py `MAX_K_BLOCK`), with as many pipeline stages (up to `MAX_K_STAGES`) as shared memory holds for the widest output
     tile (`grid_block`): one such program fills a multiprocessor's registers, so deeper stages cost
     it no company. `inner_loop_length`: each loop tile runs inner K-loops over this many elements
     (schedule/tiles.py `inner_loop_axes`); where a wave of programs re-reads more of the rows'
@@ -123,7 +123,6 @@ def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: 
                 # (each multiprocessor's partition) it reads them from there, and wider tiles walk
                 # both passes in fewer, longer iterations; longer rows come back from HBM either
                 # way, and the narrow streaming tile keeps more programs' loads in flight
-                # (measured, bench/NOTES.md item 54)
                 block_col = min(_pow2_at_least(cols), REREAD_WIDENING * block_col)
     splits = 1
     prefetch = False

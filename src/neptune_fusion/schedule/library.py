@@ -36,8 +36,8 @@ from neptune_fusion.ir.program import InputBuffer, OutputSpec, Program, Stage
 from neptune_fusion.schedule.partition import needed_stages, subprogram
 
 PASS = "library"
-# cuBLAS's 16-bit GEMM on the H200 at a model's sizes (~780 TFLOP/s) and the share of it the
-# generated K-loop kernel reaches (bench/NOTES.md item 54); HBM as a streaming kernel reads it
+# cuBLAS's 16-bit GEMM on the H200 at a model's sizes (~780 TFLOP/s), the share of it the
+# generated K-loop kernel reaches, and HBM as a streaming kernel reads it: machine figures
 LIBRARY_GEMM_FLOPS = 780e12
 K_LOOP_SHARE = 0.87
 HBM_BYTES_PER_S = 4.0e12

@@ -72,7 +72,7 @@ def build_fused_loop(program: Program, axis: str, mode: str = "rolling", splits:
         # sums of terms of either sign: their partial sums are unbounded (derive_repair refuses exp of them)
         signed_sums = frozenset(p for p in direct if program.stage(p).body.op == "sum" and p not in nonnegative)
         repairs[m.name] = derive_repair(m.name, m.body.op, axis, m.body.body, direct, known, signed_sums,
-                                        frozenset(nonnegative & set(direct))).h if direct else None
+                                        frozenset(nonnegative)).h if direct else None
     return FusedLoop(f"loop_{axis}", axis, tuple(order), producers, repairs, mode, splits)
 
 
