@@ -268,6 +268,19 @@ def tensor_layout(t: torch.Tensor) -> tuple[Any, ...]:
     return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
 
 
+def _same_layout(t: torch.Tensor, layout: tuple[Any, ...]) -> bool:
+    """`tensor_layout(t) == layout`, without building the tuple (a repeated call's check).
+
+    Example:
+        >>> t = torch.zeros(2, 3)
+        >>> _same_layout(t, tensor_layout(t)), _same_layout(t.t(), tensor_layout(t))
+        (True, False)
+    """
+    shape, stride, dtype, device, aligned = layout
+    return (t.dtype is dtype and t.shape == shape and t.stride() == stride and t.device == device
+            and (t.data_ptr() % 16 == 0) is aligned)
+
+
 def _unchanged(reads: list[tuple[str, Any, Any, Any]]) -> bool:
     """Whether every place a key was read from still holds the same object (tensors: same layout)."""
     for kind, holder, place, value in reads:
@@ -718,8 +731,8 @@ class _FastCall:
         if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
             return None
         layouts = self.layouts
-        if (tensor_layout(q) != layouts[0] or tensor_layout(k) != layouts[1] or tensor_layout(v) != layouts[2]
-                or (extras and tuple(map(tensor_layout, extras)) != layouts[3:])):
+        if not (_same_layout(q, layouts[0]) and _same_layout(k, layouts[1]) and _same_layout(v, layouts[2])
+                and (not extras or all(map(_same_layout, extras, layouts[3:])))):
             return None
         found = self.walk.tensors
         if torch.is_grad_enabled() and _needs_grad([q, k, v, *found, *extras]):
