@@ -680,7 +680,7 @@ def test_unsupported_torch_operations_are_named():
     def int_mask(b, h, q_idx, kv_idx):
         return q_idx - kv_idx
 
-    with pytest.raises(TypeError, match=r"torch\.sort is not supported inside score_mod/mask_mod"):
+    with pytest.raises(TypeError, match=r"torch\.sort is not supported on symbolic tensors \(inside nf\.program, score_mod or mask_mod\)"):
         nf.attention(q, k, v, score_mod=sorting)
     with pytest.raises(TypeError, match=r"torch\.Tensor\.cumsum is not supported"):
         nf.attention(q, k, v, score_mod=cumsum_method)

@@ -572,3 +572,37 @@ def test_xor_of_boolean_masks(randn):
 
     with pytest.raises(TypeError, match=r"\^ \(xor\) is supported on boolean masks only, got int \^ int"):
         g.trace(x)
+
+
+def test_reductions_over_every_axis_several_axes_and_torch_spellings(randn):
+    """`x.sum()` reduces every axis (as torch and numpy do); a tuple of axes, torch's `dim` /
+    `keepdim`, `mean`, and torch.sum / amax / amin / mean / softmax / log_softmax / logsumexp."""
+    x = randn(3, 4, 5)
+    check(nf.program(lambda x: x.sum()), dict(x=x), x.sum(), atol=1e-4)
+    check(nf.program(lambda x: nf.max(x)), dict(x=x), x.amax())
+    check(nf.program(lambda x: x.min(axis=(0, 2), keepdims=True)), dict(x=x), x.amin((0, 2), keepdim=True))
+    check(nf.program(lambda x: x.sum(dim=-1, keepdim=True)), dict(x=x), x.sum(-1, keepdim=True))
+    check(nf.program(lambda x: x.mean((1, 2))), dict(x=x), x.mean((1, 2)))
+    check(nf.program(lambda x: torch.sum(x, dim=(0, 1))), dict(x=x), x.sum((0, 1)))
+    check(nf.program(lambda x: torch.amax(x, 1, keepdim=True)), dict(x=x), x.amax(1, keepdim=True))
+    check(nf.program(lambda x: x.amin(0)), dict(x=x), x.amin(0))
+    check(nf.program(lambda x: torch.mean(x, -1)), dict(x=x), x.mean(-1))
+    check(nf.program(lambda x: torch.max(x)), dict(x=x), x.max())
+    check(nf.program(lambda x: torch.softmax(x, -1)), dict(x=x), torch.softmax(x, -1))
+    check(nf.program(lambda x: x.log_softmax(1)), dict(x=x), torch.log_softmax(x, 1))
+    check(nf.program(lambda x: torch.logsumexp(x, 0)), dict(x=x), torch.logsumexp(x, 0))
+    w = randn(5, 3)
+    check(nf.program(lambda a, b: torch.matmul(a, b.T)), dict(a=w, b=w), w @ w.T, atol=1e-4)
+    with pytest.raises(TypeError, match="values and indices"):
+        nf.program(lambda x: torch.max(x, 1)).trace(x=x)
+    with pytest.raises(ValueError, match="twice"):
+        nf.program(lambda x: x.sum((1, -2))).trace(x=x)
+    with pytest.raises(TypeError, match="not both"):
+        nf.program(lambda x: x.sum(0, dim=1)).trace(x=x)
+
+
+def test_a_reduction_to_one_value_compiles(randn):
+    """Reductions over every axis run as kernels (split-K over a row axis of extent 1)."""
+    x = randn(6, 33)
+    torch.testing.assert_close(nf.compile(nf.program(lambda x: x.sum()))(x), x.sum(), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(nf.compile(nf.program(lambda x: x.amax()))(x), x.amax())

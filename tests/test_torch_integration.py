@@ -478,3 +478,59 @@ def test_torch_compile_with_dynamic_shapes(randn):
             q, k, v = randn(1, H, 1, 16), randn(1, 2, length, 16), randn(1, 2, length, 16)
             torch.testing.assert_close(compiled(q, k, v), nf.attention(q, k, v, score_mod=alibi, enable_gqa=True))
             torch.testing.assert_close(compiled_attend(q, k, v), attend(q, k, v, causal=True, enable_gqa=True))
+
+
+class _TableBias(torch.nn.Module):
+    """A score_mod that is a Module: a learnable relative-position table, read in `forward`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.linspace(-1.0, 1.0, 48))
+
+    def forward(self, score, b, h, q_idx, kv_idx):
+        return score + self.table[q_idx - kv_idx + 24]
+
+
+class _Softcap:
+    """A score_mod that is a plain callable object."""
+
+    def __init__(self, cap: float) -> None:
+        self.cap = cap
+
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        return self.cap * torch.tanh(score / self.cap)
+
+
+def test_callable_objects_dicts_and_numpy_values_a_mod_reads_are_keyed(attn_inputs):
+    """A Module or callable object as score_mod is keyed like a bound method of its forward /
+    __call__ (its parameters are captured tensors, so their gradients flow; its attributes are read
+    again); a dict entry and a numpy array a mod reads are keyed by value and read again (each kept
+    the first trace's constant: a silently stale result)."""
+    import numpy as np
+
+    q, k, v = attn_inputs(1, H, 24, 24, 16)
+    table = _TableBias()
+    out = nf.attention(q, k, v, score_mod=table)
+    assert out.requires_grad
+    out.square().sum().backward()
+    ref_table = table.table.detach().clone().requires_grad_()
+    rel = torch.arange(24)[:, None] - torch.arange(24) + 24
+    dense(q, k, v, 0.25, score=lambda s: s + ref_table[rel]).square().sum().backward()
+    torch.testing.assert_close(table.table.grad, ref_table.grad, atol=1e-4, rtol=1e-4)
+
+    cap = _Softcap(30.0)
+    cfg = {"cap": 30.0}
+    arr = np.array([30.0])
+
+    def by_dict(score, b, h, q_idx, kv_idx):
+        return cfg["cap"] * torch.tanh(score / cfg["cap"])
+
+    def by_numpy(score, b, h, q_idx, kv_idx):
+        return float(arr[0]) * torch.tanh(score / float(arr[0]))
+
+    with torch.no_grad():
+        for mod in (cap, by_dict, by_numpy):
+            for value in (30.0, 0.5, 0.5, 2.0):
+                cap.cap, cfg["cap"], arr[0] = value, value, value
+                want = dense(q, k, v, 0.25, score=lambda s, c=value: c * torch.tanh(s / c))
+                torch.testing.assert_close(nf.attention(q, k, v, score_mod=mod), want, atol=2e-5, rtol=1e-4)

@@ -147,13 +147,16 @@ def _broadcast_to(x: SymTensor, like: SymTensor, what: str) -> SymTensor:
 class Builtins(NamedTuple):
     """Masks and score changes the caller describes by value instead of by a function (transformers
     models, BlockMasks): tuples of constants, so torch.compile can treat them as constants, with the
-    tensors they read passed as `extras` (in this order: block tables, key padding)."""
+    tensors they read passed as `extras` (in this order: block tables, key padding, a given mask)."""
 
     causal_end: bool = False  # query i sits at key position Lk - Lq + i and sees keys up to it
     window: int | None = None  # ... and only the `window` keys ending there (needs causal_end)
     softcap: float | None = None  # score -> softcap * tanh(score / softcap)
     padding: bool = False  # extras hold a (B, Lk) bool key-padding mask: True = attend
     block: tuple[int, int, bool] | None = None  # (q block, kv block, has full lists): extras hold BlockMask tables
+    # extras hold a 4-D mask (B or 1, H or 1, Lq or 1, Lk): ("mask", ...) bool, True = attend, or
+    # ("bias", ...) added to the scores; then whether its batch, head and query axes are whole (not 1)
+    given: tuple[str, bool, bool, bool] | None = None
 
 
 class Outputs(NamedTuple):
@@ -200,6 +203,13 @@ def _body(score_mod: ScoreMod | None, mask_mod: MaskMod | None, builtins: Builti
             keep = _and(keep, _mask_of(position - kv_idx < builtins.window, tracer))
         if builtins.padding:
             keep = _and(keep, _mask_of(rest.pop(0)[b, kv_idx], tracer))
+        if builtins.given is not None:
+            kind, whole_b, whole_h, whole_q = builtins.given
+            at = rest.pop(0)[b if whole_b else 0, h if whole_h else 0, q_idx if whole_q else 0, kv_idx]
+            if kind == "mask":
+                keep = _and(keep, _mask_of(at, tracer))
+            else:
+                s = s + at
         if keep is not None:
             cond = simplify(keep.expr)  # e.g. and_masks' `True & m` -> m, so the mask analysis sees m
             if not (isinstance(cond, Const) and cond.value is True):
@@ -238,8 +248,8 @@ def _and(a: SymTensor | None, b: SymTensor) -> SymTensor:
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)
 
 # How to reach a tensor a mod closes over, from the mod: a tuple of steps, each ("cell", i),
-# ("global", name), ("default", i), ("kwdefault", name), ("item", i), ("func",), ("self",),
-# ("arg", i) or ("keyword", name). torch.compile follows the same steps (`_follow`) to pass the
+# ("global", name), ("default", i), ("kwdefault", name), ("item", i or a dict's key), ("func",),
+# ("self",), ("class", name) (a callable object's function), ("arg", i) or ("keyword", name). torch.compile follows the same steps (`_follow`) to pass the
 # tensors into the graph as inputs, so it sees (and guards) the values of every call.
 Path = tuple[tuple[Any, ...], ...]
 
@@ -300,7 +310,10 @@ def _unchanged(reads: list[tuple[str, Any, Any, Any]]) -> bool:
             if tensor_layout(holder) != value:
                 return False
         elif kind == "attr":
-            if getattr(holder, place) is not value:
+            if getattr(holder, place, _MISSING) is not value:
+                return False
+        elif kind == "array":
+            if holder.shape != value.shape or holder.dtype != value.dtype or not (holder == value).all():
                 return False
         elif holder.get(place, _MISSING) is not value:  # "key": a dict entry (globals, keywords)
             return False
@@ -311,11 +324,11 @@ def _instance_attributes(obj: Any, names: tuple[str, ...]) -> list[tuple[str, An
     """The attributes among `names` that `obj` holds itself (its instance dict; a Module's
     parameters, buffers and submodules too), sorted: what a function whose code names them may
     read through it (`self.cap`, `cfg.slopes`)."""
-    d = getattr(obj, "__dict__", None)
-    if not names or not isinstance(d, dict):
+    if not names:
         return []
-    stores = [d]
-    if isinstance(obj, torch.nn.Module):
+    d = getattr(obj, "__dict__", None)
+    stores = [d] if isinstance(d, dict) else []
+    if isinstance(obj, torch.nn.Module) and stores:
         stores += [d.get("_parameters"), d.get("_buffers"), d.get("_modules")]
     found: dict[str, Any] = {}
     for store in stores:
@@ -323,6 +336,11 @@ def _instance_attributes(obj: Any, names: tuple[str, ...]) -> list[tuple[str, An
             for n in names:
                 if n in store and n not in found:
                     found[n] = store[n]
+    for n in names:  # attributes in __slots__
+        if n not in found and isinstance(getattr(type(obj), n, None), types.MemberDescriptorType):
+            value = getattr(obj, n, _MISSING)
+            if value is not _MISSING:
+                found[n] = value
     return sorted(found.items())
 
 
@@ -349,6 +367,10 @@ def _value_key(value: Any, walk: _Walk, path: Path, depth: int, names: tuple[str
                 walk.read("item", value, i, x)
         return (type(value).__name__,
                 tuple(_value_key(x, walk, (*path, ("item", i)), depth, names) for i, x in enumerate(value)))
+    if isinstance(value, dict):
+        return _dict_key(value, walk, path, depth, names)
+    if type(value).__module__ == "numpy":
+        return _numpy_key(value, walk)
     if isinstance(value, type):
         return ("type", value)
     if depth > 6 or id(value) in walk.seen:
@@ -359,14 +381,54 @@ def _value_key(value: Any, walk: _Walk, path: Path, depth: int, names: tuple[str
     return ("object", type(value).__qualname__, id(value), attrs)
 
 
+def _dict_key(value: dict[Any, Any], walk: _Walk, path: Path, depth: int, names: tuple[str, ...]) -> Any:
+    """A dict's key: its entries that the code may read (those whose key the code names, or every
+    entry of a small dict keyed by scalars), each read again by `_unchanged`."""
+    if not all(isinstance(k, _SCALARS) for k in value):
+        return ("object", "dict", id(value))
+    keys = [k for k in value if len(value) <= 64 or k in names]
+    walk.read("len", value, None, len(value))
+    return ("dict", tuple((k, _value_key(walk.read("key", value, k, value[k]), walk, (*path, ("item", k)), depth, names))
+                          for k in keys))
+
+
+def _numpy_key(value: Any, walk: _Walk) -> Any:
+    """A numpy value's key: its contents (a mod reads them as constants while it is traced); an
+    array is mutable, so `_unchanged` compares its contents again."""
+    import numpy as np
+
+    if isinstance(value, np.ndarray):
+        walk.read("array", value, None, value.copy())
+        return ("ndarray", value.shape, str(value.dtype), value.tobytes())
+    if isinstance(value, np.generic):
+        return ("numpy", str(value.dtype), value.item())
+    return ("object", type(value).__qualname__, id(value))
+
+
 @functools.lru_cache(maxsize=1024)
 def _global_names(code: types.CodeType) -> tuple[str, ...]:
-    """Names a function's code (and the code nested in it) may read as globals, sorted."""
+    """Names a function's code (and the code nested in it) may read as globals or attributes, and
+    its string constants (`cfg["cap"]`, `getattr(self, "cap")`), sorted."""
     names = set(code.co_names)
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
             names |= set(_global_names(const))
+        elif isinstance(const, str) and const.isidentifier():
+            names.add(const)
     return tuple(sorted(names))
+
+
+def _call_function(obj: Any) -> types.FunctionType | None:
+    """The Python function a call of the object `obj` runs (a Module's `forward`, a class's
+    `__call__`), or None: what its key reads through `self`."""
+    if isinstance(obj, torch.nn.Module):
+        if obj._forward_hooks or obj._forward_pre_hooks:
+            return None  # the hooks run too: keyed by identity only
+        fn = getattr(type(obj), "forward", None)
+    else:
+        fn = type(obj).__dict__.get("__call__") or next(
+            (c.__dict__["__call__"] for c in type(obj).__mro__ if "__call__" in c.__dict__), None)
+    return fn if isinstance(fn, types.FunctionType) else None
 
 
 def _fn_key(fn: Any, walk: _Walk, path: Path = (), depth: int = 0) -> Any:
@@ -387,7 +449,14 @@ def _fn_key(fn: Any, walk: _Walk, path: Path = (), depth: int = 0) -> Any:
         return ("method", _value_key(fn.__self__, walk, (*path, ("self",)), depth, names),
                 _fn_key(fn.__func__, walk, (*path, ("func",)), depth + 1))
     if not isinstance(fn, types.FunctionType):
-        return ("callable", type(fn).__qualname__, id(fn))
+        call = _call_function(fn)
+        if call is None:
+            return ("callable", type(fn).__qualname__, id(fn))
+        # a callable object (a Module, a class with __call__): its function, and what that reads
+        # through self, as a bound method's
+        names = _global_names(call.__code__)
+        return ("object", _value_key(fn, walk, path, depth, names),
+                _fn_key(call, walk, (*path, ("class", call.__name__)), depth + 1))
     if id(fn) in walk.seen:
         return ("recursive", fn.__code__)
     walk.seen.add(id(fn))
@@ -431,6 +500,8 @@ def _follow(obj: Any, path: Path) -> Any:
             obj = obj.func if isinstance(obj, functools.partial) else obj.__func__
         elif kind == "attr":
             obj = getattr(obj, step[1])
+        elif kind == "class":
+            obj = getattr(type(obj), step[1])
         else:  # "self"
             obj = obj.__self__
     return obj
@@ -903,6 +974,8 @@ def _extra_names(builtins: Builtins) -> list[str]:
         names += ["the block_mask's partial-block table", *(["its full-block table"] if builtins.block[2] else [])]
     if builtins.padding:
         names.append("the key padding mask")
+    if builtins.given is not None:
+        names.append(f"the given attention {builtins.given[0]}")
     return names
 
 
@@ -1144,15 +1217,17 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score
 
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, scale: float | None = None,
            enable_gqa: bool = False, causal: bool = False, window: int | None = None, softcap: float | None = None,
-           key_padding: torch.Tensor | None = None, return_lse: bool = False,
-           schedule: Schedule | None = None) -> Any:
+           key_padding: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+           bias: torch.Tensor | None = None, return_lse: bool = False, schedule: Schedule | None = None) -> Any:
     """Attention described by values, as model code asks for it (transformers models): no functions
     to trace, so it compiles the same inside and outside torch.compile.
 
     `causal` aligns the queries to the end of the keys (query i sits at key position Lk - Lq + i:
     prefill and decode over a KV cache alike); `window=W` (with causal) also drops keys W or more
     positions before the query; `softcap=c` maps the scaled score s to c * tanh(s / c);
-    `key_padding` (B, Lk) bool, True where the key is attended. Shapes as in `attention`.
+    `key_padding` (B, Lk) bool, True where the key is attended; `mask` (bool, True where attended)
+    or `bias` (float, added to the softcapped scores), each of shape (B or 1, H or 1, Lq or 1, Lk),
+    on top of the rest. Shapes as in `attention`.
 
     Example:
         >>> import torch
@@ -1163,9 +1238,9 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, scale
     lean_key = None
     if not torch.compiler.is_compiling():
         flags = ("attend", bool(enable_gqa), bool(return_lse), bool(causal), (type(window), window),
-                 (type(softcap), softcap), key_padding is None)
+                 (type(softcap), softcap), key_padding is None, mask is None, bias is None)
         lean_key = _lean_key(None, None, flags, schedule, scale)
-        result = _lean_hit(lean_key, query, key, value, () if key_padding is None else (key_padding,))
+        result = _lean_hit(lean_key, query, key, value, tuple(t for t in (key_padding, mask, bias) if t is not None))
         if result is not None:
             return result
     if window is not None:
@@ -1185,10 +1260,32 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, scale
             raise ValueError(f"key_padding must have shape (batch, kv_len) = {(query.shape[0], key.shape[2])}, "
                              f"got {tuple(key_padding.shape)}")
         extras = (key_padding,)
-    builtins = Builtins(bool(causal), window, softcap, key_padding is not None)
+    given = None
+    if mask is not None and bias is not None:
+        raise ValueError("give a bool mask or a float bias, not both (fold the mask into the bias as -inf)")
+    for name, t in (("mask", mask), ("bias", bias)):
+        if t is not None:
+            given = (name, *_given_axes(name, t, query, key))
+            extras = (*extras, t)
+    builtins = Builtins(bool(causal), window, softcap, key_padding is not None, given=given)
     request = _Request(None, None, builtins, Outputs(lse=bool(return_lse)), bool(enable_gqa), schedule)
     out, *stats = _call(query, key, value, request, extras, scale, lean_key)
     return (out, stats[0]) if return_lse else out
+
+
+def _given_axes(name: str, t: Any, query: torch.Tensor, key: torch.Tensor) -> tuple[bool, bool, bool]:
+    """Whether `attend`'s mask or bias `t` spans the batch, head and query axes (else has length 1
+    there), after checking its dtype and shape."""
+    if not isinstance(t, torch.Tensor) or (t.dtype != torch.bool if name == "mask" else not t.is_floating_point()):
+        raise TypeError(f"{name} must be a {'bool' if name == 'mask' else 'floating-point'} tensor "
+                        "(B or 1, H or 1, Lq or 1, Lk)")
+    scores = (query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+    if t.ndim != 4 or t.shape[3] != scores[3] or any(n not in (1, w) for n, w in zip(t.shape[:3], scores)):
+        raise ValueError(f"{name} of shape {tuple(t.shape)} does not broadcast to the scores' shape {scores} "
+                         "(batch, heads, queries, keys; the keys whole)")
+    if t.device != query.device:
+        raise ValueError(f"{name} is on {t.device}, the queries on {query.device}")
+    return t.shape[0] > 1, t.shape[1] > 1, t.shape[2] > 1
 
 
 def _resolve_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod: Any, block_mask: Any, mask_mod: Any,

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 
 from neptune_fusion.ir.expr import Binary, Const, Expr, Index, substitute_index, walk
 from neptune_fusion.lang.tensor import (
+    Axes,
     Dim,
     SymTensor,
     TensorLike,
@@ -24,7 +25,7 @@ from neptune_fusion.lang.tensor import (
     index,
     inf,
     matmul,
-    reduce,
+    reduce_axes,
     size,
     unary,
     where,
@@ -102,19 +103,19 @@ def minimum(a: TensorLike, b: TensorLike) -> SymTensor:
     return binary("min", a, b)
 
 
-def sum(x: SymTensor, axis: int = -1, keepdims: bool = False) -> SymTensor:  # noqa: A001
-    """Sum along `axis`."""
-    return reduce("sum", x, axis, keepdims)
+def sum(x: SymTensor, axis: Axes = None, keepdims: bool = False) -> SymTensor:  # noqa: A001
+    """Sum along `axis` (an int, a tuple of them, or None: every axis)."""
+    return reduce_axes("sum", x, axis, keepdims)
 
 
-def max(x: SymTensor, axis: int = -1, keepdims: bool = False) -> SymTensor:  # noqa: A001
-    """Maximum along `axis`."""
-    return reduce("max", x, axis, keepdims)
+def max(x: SymTensor, axis: Axes = None, keepdims: bool = False) -> SymTensor:  # noqa: A001
+    """Maximum along `axis` (an int, a tuple of them, or None: every axis)."""
+    return reduce_axes("max", x, axis, keepdims)
 
 
-def min(x: SymTensor, axis: int = -1, keepdims: bool = False) -> SymTensor:  # noqa: A001
-    """Minimum along `axis`."""
-    return reduce("min", x, axis, keepdims)
+def min(x: SymTensor, axis: Axes = None, keepdims: bool = False) -> SymTensor:  # noqa: A001
+    """Minimum along `axis` (an int, a tuple of them, or None: every axis)."""
+    return reduce_axes("min", x, axis, keepdims)
 
 
 def tracer_dims(tracer: Any) -> list[Dim]:

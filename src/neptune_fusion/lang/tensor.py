@@ -181,14 +181,19 @@ class SymTensor:
         )
 
     # reductions and views ----------------------------------------------------
-    def sum(self, axis: int = -1, keepdims: bool = False) -> SymTensor:
-        return reduce("sum", self, axis, keepdims)
+    # `axis=None` reduces every axis (numpy's and torch's meaning); torch's `dim` / `keepdim`
+    # spellings are accepted too
+    def sum(self, axis: Axes = None, keepdims: bool = False, *, dim: Axes = None, keepdim: bool | None = None) -> SymTensor:
+        return reduce_axes("sum", self, _axes_arg(axis, dim), _keep_arg(keepdims, keepdim))
 
-    def max(self, axis: int = -1, keepdims: bool = False) -> SymTensor:
-        return reduce("max", self, axis, keepdims)
+    def max(self, axis: Axes = None, keepdims: bool = False, *, dim: Axes = None, keepdim: bool | None = None) -> SymTensor:
+        return reduce_axes("max", self, _axes_arg(axis, dim), _keep_arg(keepdims, keepdim))
 
-    def min(self, axis: int = -1, keepdims: bool = False) -> SymTensor:
-        return reduce("min", self, axis, keepdims)
+    def min(self, axis: Axes = None, keepdims: bool = False, *, dim: Axes = None, keepdim: bool | None = None) -> SymTensor:
+        return reduce_axes("min", self, _axes_arg(axis, dim), _keep_arg(keepdims, keepdim))
+
+    def mean(self, axis: Axes = None, keepdims: bool = False, *, dim: Axes = None, keepdim: bool | None = None) -> SymTensor:
+        return mean(self, _axes_arg(axis, dim), _keep_arg(keepdims, keepdim))
 
     def exp(self) -> SymTensor:
         return unary("exp", self)
@@ -418,6 +423,74 @@ def cast(x: SymTensor, dtype: object) -> SymTensor:
     name = dtype_name(dtype)
     kind = "bool" if name == "bool" else ("int" if name.startswith("i") else "float")
     return SymTensor(x.dims, Cast(x.expr, name), x.tracer, kind)
+
+
+Axes = int | tuple[int, ...] | list[int] | None
+
+
+def _axes_arg(axis: Axes, dim: Axes) -> Axes:
+    if axis is not None and dim is not None:
+        raise TypeError("give the reduced axes as `axis` or as `dim`, not both")
+    return dim if axis is None else axis
+
+
+def _keep_arg(keepdims: bool, keepdim: bool | None) -> bool:
+    return bool(keepdims if keepdim is None else keepdim)
+
+
+def _axis_list(x: SymTensor, axis: Axes) -> list[int]:
+    """The distinct axes `axis` names, normalised (None: every axis)."""
+    if axis is None:
+        return list(range(x.ndim))
+    named = [axis] if isinstance(axis, int) else list(axis)
+    if not all(isinstance(a, int) and not isinstance(a, bool) for a in named):
+        raise TypeError(f"reduced axes must be integers, got {axis!r}")
+    axes = [_norm_axis(a, x.ndim) for a in named]
+    if len(set(axes)) != len(axes):
+        raise ValueError(f"axis {axis!r} names an axis twice")
+    return axes
+
+
+def reduce_axes(op: str, x: SymTensor, axis: Axes, keepdims: bool) -> SymTensor:
+    """Reduce `x` along each axis `axis` names (None: all of them) with `op`, one stage per axis.
+
+    Example:
+        >>> import torch, neptune_fusion as nf
+        >>> total = nf.compile(nf.program(lambda x: x.sum()))
+        >>> x = torch.randn(4, 6)
+        >>> torch.allclose(total(x), x.sum(), atol=1e-5)
+        True
+    """
+    axes = _axis_list(x, axis)
+    if len(axes) == 1:
+        return reduce(op, x, axes[0], keepdims)
+    result = x
+    for a in sorted(axes, reverse=True):  # the last first: earlier indices stay valid
+        result = reduce(op, result, a, False)
+    if keepdims:
+        dims = list(result.dims)
+        for a in sorted(axes):
+            dims.insert(a, None)
+        result = SymTensor(tuple(dims), result.expr, result.tracer, result.kind)
+    return result
+
+
+def mean(x: SymTensor, axis: Axes = None, keepdims: bool = False) -> SymTensor:
+    """The mean of `x` along `axis` (None: all axes); the lengths are run-time values (`size`).
+
+    Example:
+        >>> import torch, neptune_fusion as nf
+        >>> fn = nf.compile(nf.program(lambda x: x.mean(axis=-1)))
+        >>> x = torch.randn(3, 5)
+        >>> torch.allclose(fn(x), x.mean(-1), atol=1e-6)
+        True
+    """
+    axes = _axis_list(x, axis)
+    total = reduce_axes("sum", x, axes, keepdims)
+    count: TensorLike = 1
+    for a in axes:
+        count = size(x, a) if isinstance(count, int) else binary("mul", count, size(x, a))
+    return binary("div", cast(total, "f32") if x.kind != "float" else total, count)
 
 
 def reduce(op: str, x: SymTensor, axis: int, keepdims: bool) -> SymTensor:

@@ -30,11 +30,11 @@ import torch
 
 from neptune_fusion.ir.expr import Const, Expr, substitute_index
 from neptune_fusion.lang.ops import repeat_interleave, same_axis_vars, tracer_dims
-from neptune_fusion.lang.tensor import SymTensor, binary, broadcast, cast, lift, unary, where
+from neptune_fusion.lang.tensor import SymTensor, binary, broadcast, cast, lift, matmul, mean, reduce_axes, unary, where
 
 __all__ = ["CaptureTable", "gather", "lift_tensor", "tensor_attribute", "torch_function"]
 
-CONTEXT = "inside score_mod/mask_mod (on symbolic tensors)"
+CONTEXT = "on symbolic tensors (inside nf.program, score_mod or mask_mod)"
 
 
 # --------------------------------------------------------------------------- captured tensors
@@ -325,12 +325,63 @@ def _clamp(x: Any, min: Any = None, max: Any = None, *, out: Any = None) -> SymT
 
 def _maxmin(op: str, name: str) -> Callable[..., SymTensor]:
     def fn(a: Any, other: Any = None, *args: Any, **kwargs: Any) -> SymTensor:
-        if isinstance(other, (SymTensor, torch.Tensor)) and not args and not kwargs.get("dim"):
+        if isinstance(other, (SymTensor, torch.Tensor)) and not args and not kwargs:
             return binary(op, a, other)
-        raise TypeError(f"torch.{name} as a reduction is not supported {CONTEXT}; "
-                        f"torch.{name}(a, b) of two tensors is (elementwise)")
+        if other is None and not args and not kwargs:  # torch.max(x): the largest value
+            return reduce_axes(op, lift(a, a.tracer), None, False)
+        raise TypeError(f"torch.{name}(x, dim) returns values and indices, which is not supported {CONTEXT}; "
+                        f"torch.a{name}(x, dim) gives the values; torch.{name}(a, b) of two tensors is elementwise")
 
     return fn
+
+
+def _reduction(op: str) -> Callable[..., SymTensor]:
+    """torch.sum / amax / amin / mean(x, dim=None, keepdim=False, *, dtype=None)."""
+    def fn(x: Any, dim: Any = None, keepdim: bool = False, *, dtype: Any = None, out: Any = None) -> SymTensor:
+        _no_out(op, out)
+        x = lift(x, x.tracer)
+        if dtype is not None:
+            x = cast(x, dtype)
+        return mean(x, dim, keepdim) if op == "mean" else reduce_axes(op, x, dim, keepdim)
+
+    return fn
+
+
+def _dim_arg(name: str, dim: Any) -> int:
+    if not isinstance(dim, int) or isinstance(dim, bool):
+        raise TypeError(f"torch.{name} needs one integer dim, got {dim!r}")
+    return dim
+
+
+def _softmax(x: Any, dim: Any = None, dtype: Any = None, *, _stacklevel: int = 3) -> SymTensor:
+    x = cast(x, dtype) if dtype is not None else lift(x, x.tracer)
+    e = unary("exp", binary("sub", x, reduce_axes("max", x, _dim_arg("softmax", dim), True)))
+    return binary("div", e, reduce_axes("sum", e, dim, True))
+
+
+def _log_softmax(x: Any, dim: Any = None, dtype: Any = None, *, _stacklevel: int = 3) -> SymTensor:
+    x = cast(x, dtype) if dtype is not None else lift(x, x.tracer)
+    return binary("sub", x, _logsumexp(x, _dim_arg("log_softmax", dim), True))
+
+
+def _logsumexp(x: Any, dim: Any, keepdim: bool = False, *, out: Any = None) -> SymTensor:
+    _no_out("logsumexp", out)
+    x = lift(x, x.tracer)
+    m = reduce_axes("max", x, dim, True)
+    total = unary("log", reduce_axes("sum", unary("exp", binary("sub", x, m)), dim, True))
+    result = binary("add", total, m)
+    return result if keepdim else _squeezed(result, dim)
+
+
+def _squeezed(x: SymTensor, dim: Any) -> SymTensor:
+    """`x` without the size-1 axes `dim` names (kept by a keepdim reduction)."""
+    axes = {a % x.ndim for a in ([dim] if isinstance(dim, int) else list(dim))}
+    return SymTensor(tuple(d for i, d in enumerate(x.dims) if i not in axes), x.expr, x.tracer, x.kind)
+
+
+def _matmul(a: Any, b: Any, *, out: Any = None) -> SymTensor:
+    _no_out("matmul", out)
+    return matmul(a, b)
 
 
 def _sign(x: Any, *, out: Any = None) -> SymTensor:
@@ -518,6 +569,9 @@ _HANDLERS: dict[str, Callable[..., Any]] = {
     "maximum": _binary("max"), "minimum": _binary("min"), "fmax": _binary("max"), "fmin": _binary("min"),
     "max": _maxmin("max", "max"), "min": _maxmin("min", "min"),
     "clamp": _clamp, "clip": _clamp,
+    # reductions
+    "sum": _reduction("sum"), "amax": _reduction("max"), "amin": _reduction("min"), "mean": _reduction("mean"),
+    "logsumexp": _logsumexp, "softmax": _softmax, "log_softmax": _log_softmax, "matmul": _matmul,
     "clamp_min": lambda x, m: binary("max", x, m), "clamp_max": lambda x, m: binary("min", x, m),
     # comparisons and logic
     "eq": _binary("eq"), "ne": _binary("ne"), "not_equal": _binary("ne"), "lt": _binary("lt"),
@@ -615,6 +669,11 @@ def tensor_attribute(x: SymTensor, name: str) -> Any:
         return lambda: x.ndim
     if name == "size":
         return lambda d=None: torch.Size(x.shape) if d is None else x.shape[d]
+    if name == "T":  # torch: every axis reversed
+        result = x
+        for i in range(x.ndim // 2):
+            result = result.transpose(i, x.ndim - 1 - i)
+        return result
     handler = _HANDLERS.get(name)
     if handler is not None and not name.startswith("__"):
         return functools.partial(handler, x)
