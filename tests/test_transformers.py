@@ -267,20 +267,20 @@ def mask_of(**kwargs: object) -> torch.Tensor | None:
 
 def test_mask_function() -> None:
     pad = torch.tensor([[True] * 10, [False, False] + [True] * 8])
-    # no cache: None without padding, else the padding as (B, 1, 1, Lk) bool
+    # no cache: None without padding, else the padding as (B, 1, 1, Lk) uint8 (1: attended)
     assert mask_of(batch_size=2, q_length=10, kv_length=10, attention_mask=torch.ones(2, 10, dtype=torch.bool)) is None
     m = mask_of(batch_size=2, q_length=10, kv_length=10, attention_mask=pad)
-    assert m.dtype == torch.bool and torch.equal(m[:, 0, 0], pad)
+    assert m.dtype == torch.uint8 and torch.equal(m[:, 0, 0].bool(), pad)
     # a full dynamic sliding cache (window 4): keys 7..10 of an 11-token mask; the decode query is at 10
     pad11 = torch.cat([pad, torch.ones(2, 1, dtype=torch.bool)], 1)
     pad11[0, 8] = False
     m = mask_of(batch_size=2, q_length=1, kv_length=4, q_offset=10, kv_offset=7, attention_mask=pad11,
                 mask_function=mu.sliding_window_causal_mask_function(4), local_size=4)
-    assert m.dtype == torch.bool and torch.equal(m[:, 0, 0], pad11[:, 7:])
+    assert m.dtype == torch.uint8 and torch.equal(m[:, 0, 0].bool(), pad11[:, 7:])
     # bidirectional: never marks slots, whatever the offsets
     m = mask_of(batch_size=2, q_length=3, kv_length=10, mask_function=mu.bidirectional_mask_function,
                 attention_mask=pad, allow_is_bidirectional_skip=True)
-    assert m.dtype == torch.bool and torch.equal(m[:, 0, 0], pad)
+    assert m.dtype == torch.uint8 and torch.equal(m[:, 0, 0].bool(), pad)
     assert doctest.testmod(nft).failed == 0
 
 
@@ -294,8 +294,10 @@ def test_unsupported_patterns_are_refused() -> None:
     with pytest.raises(NotImplementedError, match="packed"):
         mask_of(batch_size=1, q_length=4, kv_length=4, mask_function=mu.and_masks(mu.causal_mask_function, packed))
     q, k, v = _qkv(1, 2, 2, 4, 4)
-    with pytest.raises(ValueError, match="custom 4-D"):
-        nft.attention_forward(_Module(), q, k, v, torch.zeros(1, 1, 4, 4))
+    with pytest.raises(ValueError, match="does not broadcast"):
+        nft.attention_forward(_Module(), q, k, v, torch.zeros(1, 3, 4, 4))
+    with pytest.raises(ValueError, match="bool or floating point"):
+        nft.attention_forward(_Module(), q, k, v, torch.zeros(1, 1, 4, 4, dtype=torch.int32))
     with pytest.raises(NotImplementedError, match="causal attention only"):
         nft.attention_forward(_Module(is_causal=False), q, k, v, None, sliding_window=2)
     with pytest.raises(NotImplementedError, match="s_aux"):
@@ -376,3 +378,29 @@ def test_chunked_attention_config_is_refused() -> None:
     config = types.SimpleNamespace(attention_chunk_size=8)
     with pytest.raises(NotImplementedError, match="attention_chunk_size"):
         mask(batch_size=1, q_length=4, kv_length=4, config=config)
+
+
+@pytest.mark.parametrize("kind", ["bool_keys", "bool_full", "float_full"])
+def test_a_4d_mask_given_to_the_model_is_read_as_sdpa_reads_it(kind: str) -> None:
+    """A caller's 4-D mask reaches the layers unchanged: it is the whole mask (no causal part), as
+    in sdpa, whether bool (B, 1, 1, Lk) or (B, 1, Lq, Lk), or float (added to the scores)."""
+    cfg = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="sdpa").eval()
+    ours = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=NAME).eval()
+    ours.load_state_dict(ref.state_dict())
+    ids = torch.randint(3, 97, (2, 10), generator=torch.Generator().manual_seed(1))
+    g = torch.Generator().manual_seed(2)
+    if kind == "bool_keys":
+        given = torch.ones(2, 1, 1, 10, dtype=torch.bool)
+        given[1, ..., :4] = False
+    else:
+        given = torch.rand(2, 1, 10, 10, generator=g) > 0.3
+        given[..., 0] = True  # every query sees a key (sdpa gives NaN for a row that sees none)
+        if kind == "float_full":
+            given = torch.where(given, torch.randn(2, 1, 10, 10, generator=g), torch.finfo(torch.float32).min)
+    with torch.no_grad():
+        expected = ref(ids, attention_mask=given).logits
+        got = ours(ids, attention_mask=given).logits
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)

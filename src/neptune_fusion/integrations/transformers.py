@@ -13,8 +13,8 @@ to the end of the keys (prefill and decode over a KV cache), bidirectional atten
 `attention_mask` (left or right), sliding windows (transformers' convention: query at position q
 sees key k iff 0 <= q - k < sliding_window), logit softcapping, grouped-query heads, dynamic and
 static caches, and `torch.compile(fullgraph=True)` (nothing here reads tensor values while
-compiling). Not supported, with an error naming it: dropout in training mode, custom 4-D masks,
-mask patterns other than causal / sliding / bidirectional (chunked attention, packed sequences,
+compiling), 4-D bool or float masks given to the model (read as sdpa reads them). Not supported,
+with an error naming it: dropout in training mode, mask patterns other than causal / sliding / bidirectional (chunked attention, packed sequences,
 `or_mask_function` / `and_mask_function` overlays), bidirectional sliding windows, attention
 sinks (`s_aux`), position biases. The pattern is recognised from the mask function outside
 tracing only: under torch.compile the overlays are still refused and chunked attention is
@@ -25,7 +25,7 @@ weights, as transformers' sdpa does. Training runs the derived backward (README,
 
 What the mask function returns (the model hands it to every layer as `attention_mask`):
 - `None` when no key is masked beyond the causal/window pattern;
-- a bool tensor (B, 1, 1, Lk), True where the key may be attended (padding), when the keys end
+- a uint8 tensor (B, 1, 1, Lk), 1 where the key may be attended, 0 padding, when the keys end
   where the queries end (no cache, dynamic caches), so `attend`'s end-aligned causal mask is right;
 - an int8 tensor (B, 1, 1, Lk) for causal masks whose keys may not end at the last query (static
   caches: unwritten slots follow the last query, and the query offset is a tensor there):
@@ -34,7 +34,9 @@ What the mask function returns (the model hands it to every layer as `attention_
   the written keys end at the last query again.
 It is 4-D so that transformers passes it through unchanged when it meets it a second time (generate
 builds masks ahead of the forward for static caches, and the model's `create_causal_mask` returns a
-4-D mask as is).
+4-D mask as is). Its integer dtype tells it from a 4-D mask the caller gives the model (bool or
+float, as sdpa takes them), which transformers also hands to the layers unchanged: such a mask is
+the whole mask, as sdpa reads it (no causal part added; `_given_mask_attention`).
 """
 
 from __future__ import annotations
@@ -102,7 +104,7 @@ def mask(batch_size: int, q_length: int | None = None, kv_length: int | None = N
     Example:
         >>> pad = torch.tensor([[False, True, True, True]])             # one left-padded row
         >>> mask(batch_size=1, q_length=4, kv_length=4, attention_mask=pad).flatten().tolist()
-        [False, True, True, True]
+        [0, 1, 1, 1]
         >>> pad = torch.tensor([[False, True, True, True, True]])       # static cache of 6, 5th token
         >>> mask(batch_size=1, q_length=1, kv_length=6, q_offset=torch.tensor(4),
         ...      attention_mask=pad).flatten().tolist()
@@ -152,7 +154,7 @@ def mask(batch_size: int, q_length: int | None = None, kv_length: int | None = N
 
     end_aligned = isinstance(q_offset, int) and kv_offset + kv_length == q_offset + q_length
     if bidirectional or end_aligned:
-        return None if padding is None else padding[:, None, None, :].contiguous()
+        return None if padding is None else padding[:, None, None, :].to(torch.uint8)
     # Causal over keys that may not end at the last query: mark the slots after it.
     written = torch.arange(kv_length, device=device) + kv_offset <= q_offset + (q_length - 1)
     state = torch.where(written, _ATTEND, _UNWRITTEN).to(torch.int8).expand(batch_size, kv_length)
@@ -171,22 +173,44 @@ def _key_padding(attention_mask: Any, batch: int, kv_len: int) -> tuple[torch.Te
     if not isinstance(attention_mask, torch.Tensor):
         raise TypeError(f"neptune_fusion attention got an attention_mask of type {type(attention_mask).__name__}; "
                         "it needs the mask its own mask function builds (register() installs it)")
-    ours = attention_mask.ndim == 4 and attention_mask.shape[1] == 1 and attention_mask.shape[2] == 1
-    if not ours or attention_mask.dtype not in (torch.bool, torch.int8):
+    if not _ours(attention_mask):
         raise ValueError(
             f"neptune_fusion attention got a {attention_mask.dtype} mask of shape {tuple(attention_mask.shape)}; it "
-            "supports masks that transformers builds from a 2-D attention_mask (padding), not custom 4-D masks. "
-            "Pass a 2-D attention_mask, or use attn_implementation='sdpa' or 'eager'.")
+            "takes the masks its mask function builds, and 4-D bool or float masks (B or 1, H or 1, Lq or 1, Lk) "
+            "given to the model. Pass a 2-D attention_mask, or use attn_implementation='sdpa' or 'eager'.")
     if attention_mask.shape[-1] != kv_len:
         raise ValueError(f"the attention mask covers {attention_mask.shape[-1]} keys, the layer has {kv_len}")
     state = attention_mask[:, 0, 0, :]
-    if attention_mask.dtype == torch.int8:
-        padding = state > _PADDING
-    else:
-        padding, state = state, None
+    padding = state > _PADDING
+    if attention_mask.dtype == torch.uint8:  # keys end at the last query: nothing to rotate
+        state = None
     if padding.shape[0] != batch:
         padding = padding.expand(batch, kv_len)
     return padding.contiguous(), state
+
+
+def _ours(attention_mask: torch.Tensor) -> bool:
+    """Whether a layer's mask is one `mask` built (uint8 or int8, (B, 1, 1, Lk)); a model's caller
+    passes bool or float 4-D masks, which transformers hands to the layers as they are."""
+    return (attention_mask.ndim == 4 and attention_mask.shape[1] == 1 and attention_mask.shape[2] == 1
+            and attention_mask.dtype in (torch.uint8, torch.int8))
+
+
+def _given_mask_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, given: torch.Tensor,
+                          scaling: float | None, softcap: float | None) -> torch.Tensor:
+    """Attention under a 4-D mask the model's caller gave, as sdpa reads it: the whole mask (no
+    causal part added), bool True where a key is attended, float added to the (softcapped) scores;
+    each of its first three axes the length of that axis or 1. Returns (B, Lq, H, D)."""
+    if given.dtype != torch.bool and not given.is_floating_point():
+        raise ValueError(f"a 4-D attention mask must be bool or floating point, got {given.dtype}")
+    if given.ndim == 4 and given.shape[-1] > key.shape[2]:  # sdpa reads the first Lk columns
+        given = given[..., :key.shape[2]]
+    try:
+        out = attend(query, key, value, scale=scaling, enable_gqa=query.shape[1] != key.shape[1], softcap=softcap,
+                     **{"mask" if given.dtype == torch.bool else "bias": given})
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"the 4-D attention mask given to the model: {exc}") from exc
+    return out.transpose(1, 2).contiguous()
 
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -224,6 +248,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         window = None
     if window is not None and not is_causal:
         raise NotImplementedError("neptune_fusion attention supports sliding windows on causal attention only")
+    if isinstance(attention_mask, torch.Tensor) and not _ours(attention_mask):
+        return _given_mask_attention(query, key, value, attention_mask, scaling, softcap), None
     padding, state = _key_padding(attention_mask, batch, lk)
     if state is not None and is_causal and (lq > 1 or window is not None):
         # Static cache: the written keys are followed by unwritten slots (state -1, the same in every
