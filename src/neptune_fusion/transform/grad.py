@@ -14,8 +14,14 @@ What is derived, and how:
 - Stabilisers: a max (min) whose value the outputs do not depend on, such as the running max that
   keeps `exp` finite, carries no gradient. That is proved, not assumed (`_free_stabilisers`): a
   shift of the max moves each sum that reads it by a factor (its repair, to first order), and
-  SymPy shows the outputs' derivative along that motion is 0. A max that fails the proof gets
-  torch's gradient (shared among ties).
+  SymPy shows the outputs' derivative along that motion is 0. A max that is itself an output, or
+  that an output reads other than through an expression cancelling it (`max + sum`, `exp(max)`),
+  fails the proof.
+- Extrema: a max (min) that is not free gets torch's `amax` (`amin`) gradient, shared evenly among
+  the entries equal to it (`torch.max(dim)` gives it all to one index; the even share does not
+  depend on the order in which a fused or split loop visits the entries). That needs the tie test
+  `x == max`, so the max must be bitwise the value of the entries it is compared with (see
+  "Saved versus recomputed").
 - Zero adjoints stay exactly zero: an adjoint that is 0 where a condition holds (the outputs'
   `where(m == -inf, 0, ...)` for rows with no visible key, a mask) guards every contribution
   made from it, so a value the forward discarded (0 / 0, inf - inf) never reaches a gradient.
@@ -24,6 +30,11 @@ What is derived, and how:
   are recomputed by the backward; a reduction read only by one output is recovered from that
   output where SymPy can solve for it (`u` from `o = u / l`), so it is not saved either. A free
   stabiliser and its sum of exponentials are saved as one value, `m + log(l)` (`normaliser.py`).
+  A value a condition of the backward tests (a tie test, `m == -inf`) is never recovered (it
+  would be rounded: `max0 = (max0 + sum0) - sum0`) nor read from an output (which may be fp16);
+  it is saved in fp32 or recomputed (`_Reverse.compared`). A max with a tie test whose operand
+  reads another reduction is recomputed, not saved: the fused forward rescales it as that
+  reduction's running value changes, so it is not bitwise any entry (`_Reverse.saveable`).
 
 Example:
     >>> import torch
@@ -75,7 +86,8 @@ class Gradient:
     """A program's backward, derived.
 
     `forward` is the program with `saved` appended to its outputs (each a row statistic, fp32,
-    over its own axes: a reduction or a log-normaliser); `backward` reads, by name, the forward inputs it needs, the saved values, the
+    over its own axes: a reduction, possibly one that is also an output, or a log-normaliser);
+    `backward` reads, by name, the forward inputs it needs, the saved values, the
     forward outputs in `outputs_read` (passed with the stage's own axes: size-1 dims dropped) and
     `grad_<i>` for the gradient of output i in `grads_read`. Its outputs are the gradients of
     `nonzero`, in that order; the other inputs of `wrt` get zero gradients.
@@ -129,6 +141,7 @@ class _Reverse:
         self.taken = set(self.stages) | set(self.inputs) | set(program.params)
         self.seeds: list[int] = []
         self.derived: dict[str, tuple[str, object, object]] = {}  # axes the backward adds (head-group members)
+        self.tied: set[str] = set()  # max/min stages whose gradient goes through a tie test
 
     # --- names and stages -------------------------------------------------------------
     def fresh(self, base: str) -> str:
@@ -205,10 +218,11 @@ class _Reverse:
         if isinstance(body, Reduce):
             frame, inner = (*stage.axes, body.axis), body.body
             if body.op in ("max", "min"):
+                self.tied.add(stage.name)
                 here = Load(stage.name, tuple(map(Index, stage.axes)))
                 hit = Binary("eq", inner, here)
-                count = self.emit(f"ties_{stage.name}", stage.axes,
-                                  Reduce("sum", body.axis, Where(hit, Const(1.0), Const(0.0))))
+                # the ties counted as 0/1 flags: a sum of flags, not a masked sum of ones
+                count = self.emit(f"ties_{stage.name}", stage.axes, Reduce("sum", body.axis, Cast(hit, "f32")))
                 upstream = Where(hit, upstream / Load(count, tuple(map(Index, stage.axes))), Const(0.0))
             elif body.op != "sum":
                 raise FusionError(PASS, stage.name, f"{body.op} over {body.axis}",
@@ -300,7 +314,8 @@ class _Reverse:
         program = self.program
         output_of = {out.stage: i for i, out in enumerate(program.outputs)}
         read = _reads(self.new)
-        recovered = self.recover(read, output_of)
+        exact = self.compared(read)
+        recovered = self.recover(read, output_of, exact)
         recompute: list[Stage] = []
         saved: list[str] = []
         outputs_read: list[int] = []
@@ -315,9 +330,9 @@ class _Reverse:
                 stage = self.stages[name]
                 if name in recovered:
                     continue
-                if name in output_of:
+                if name in output_of and name not in exact:
                     outputs_read.append(output_of[name])
-                elif stage.reduce_op is not None and self.small(stage):
+                elif stage.reduce_op is not None and self.small(stage) and self.saveable(stage):
                     saved.append(name)
                 else:
                     recompute.append(stage)
@@ -345,13 +360,37 @@ class _Reverse:
         return Gradient(forward, backward, self.wrt, nonzero, saved_order, tuple(sorted(set(outputs_read))),
                         tuple(seeds), tuple(sorted(self.free)), tuple(recovered), _held_axes(program))
 
-    def kept(self, buffer: str) -> bool:
-        """Whether the backward reads `buffer` without recomputing it: an input, an output or a
-        saved statistic."""
-        if buffer in self.inputs or any(o.stage == buffer for o in self.program.outputs):
+    def kept(self, buffer: str, exact: frozenset[str] | set[str] = frozenset()) -> bool:
+        """Whether the backward reads `buffer` without recomputing it: an input, a saved statistic
+        or an output. An output in `exact` (one the backward compares) is not read as returned:
+        that may be narrower (fp16) than the value the forward compared, so a reduction is saved
+        in fp32 (where `saveable`) and anything else recomputed."""
+        if buffer in self.inputs:
             return True
         stage = self.stages[buffer]
-        return stage.reduce_op is not None and self.small(stage)
+        if stage.reduce_op is not None and self.small(stage) and self.saveable(stage):
+            return True
+        return buffer not in exact and any(o.stage == buffer for o in self.program.outputs)
+
+    def saveable(self, stage: Stage) -> bool:
+        """Whether the value the forward saves for the reduction `stage` is the one the backward
+        would compute. Not so for a max (min) with a tie test whose operand reads another reduction
+        (a softmax's max, its sum): the fused forward keeps it against those reductions' running
+        values and rescales it as they change (its repair), so the saved max is rounded, equal to
+        none of the operand's values the backward recomputes, and the test would find no tie. The
+        backward recomputes such a max from the reductions it reads, plainly."""
+        if stage.name not in self.tied:
+            return True
+        todo, seen = sorted(stage.reads()), set()
+        while todo:
+            name = todo.pop()
+            if name in seen or name not in self.stages:
+                continue
+            seen.add(name)
+            if self.stages[name].reduce_op is not None:
+                return False
+            todo.extend(self.stages[name].reads())
+        return True
 
     def small(self, stage: Stage) -> bool:
         """A reduction no larger than a tensor the program already holds: saving it costs no more."""
@@ -359,25 +398,74 @@ class _Reverse:
         held += [set(o.dims) - {None} for o in self.program.outputs]
         return any(set(stage.axes) <= axes for axes in held)
 
-    def recover(self, read: set[str], output_of: dict[str, int]) -> dict[str, Stage]:
+    def recover(self, read: set[str], output_of: dict[str, int], exact: set[str]) -> dict[str, Stage]:
         """Reductions the backward reads that can be computed back from the one output reading
-        them; the larger first, each from values that are not themselves recovered."""
+        them; the larger first, each from values that are not themselves recovered. A value the
+        backward compares (`compared`) is not recovered: `max0 = (max0 + sum0) - sum0` is rounded,
+        and the tie test `x == max0` of a max's gradient would then find no tie in some rows."""
         out: dict[str, Stage] = {}
-        candidates = [self.stages[n] for n in read if n in self.stages and n not in output_of]
+        candidates = [self.stages[n] for n in read if n in self.stages and n not in output_of and n not in exact]
         candidates.sort(key=lambda st: (-len(st.axes), st.name))
         for stage in candidates:
             readers = [st for st in self.program.all_stages() if stage.name in st.reads()]
             if stage.reduce_op is None or len(readers) != 1:
                 continue
             reader = readers[0]
-            if reader.name not in output_of or reader.reduce_op is not None or set(reader.axes) != set(stage.axes):
+            if reader.name not in output_of or reader.name in exact or reader.reduce_op is not None \
+                    or set(reader.axes) != set(stage.axes):
                 continue
             here = Load(stage.name, tuple(map(Index, stage.axes)))
             value = Load(reader.name, tuple(map(Index, reader.axes)))
             solution = symbolic.solve_for(_strip_guards(reader.body), here, value)
-            if solution is not None and all(self.kept(n) and n not in out for n in loads_of(solution)):
+            if solution is not None and all(self.kept(n, exact) and n not in out for n in loads_of(solution)):
                 out[stage.name] = Stage(stage.name, stage.axes, solution)
         return out
+
+    def compared(self, read: set[str]) -> set[str]:
+        """The forward stages whose exact value a condition of the backward tests: those a where's
+        condition or a 0/1 flag reads (a max's tie test `x == max0`, `m == -inf`) in the backward's
+        own stages or in the forward stages it recomputes (from `read` through stages not `kept`),
+        and, through the recomputed ones, the values those are computed from. A condition flips
+        where its operand is off by a rounding, so each of these must be the value the forward
+        compared: saved or recomputed, never recovered through arithmetic nor read from a (maybe
+        narrower) output. An output so excluded is recomputed in turn, so its own conditions count
+        too: repeated until nothing is added."""
+        exact: set[str] = set()
+        while True:
+            bodies = [st.body for st in self.new]
+            seen: set[str] = set()
+            todo = sorted(read)
+            while todo:
+                name = todo.pop()
+                if name in seen or name not in self.stages or self.kept(name, exact):
+                    continue
+                seen.add(name)
+                bodies.append(self.stages[name].body)
+                todo.extend(self.stages[name].reads())
+            found: set[str] = set()
+            for body in bodies:
+                found |= _condition_loads(body) & set(self.stages)
+            found |= exact
+            todo = sorted(found)
+            while todo:
+                name = todo.pop()
+                if self.kept(name, found):
+                    continue  # read as the forward made it: its own operands do not matter
+                for dep in (self.stages[name].reads() & set(self.stages)) - found:
+                    found.add(dep)
+                    todo.append(dep)
+            if found == exact:
+                return exact
+            exact = found
+
+
+def _condition_loads(expr: Expr) -> set[str]:
+    """Buffers read by the comparisons in `expr` (where() conditions, 0/1 flags, tie tests)."""
+    out: set[str] = set()
+    for node in walk(expr):
+        if symbolic.is_condition(node):
+            out |= loads_of(node)
+    return out
 
 
 def _held_axes(program: Program) -> frozenset[str]:
@@ -500,10 +588,13 @@ def _stabiliser_is_free(program: Program, stabiliser: Stage) -> bool:
     that reads a moving value moves by a factor of itself (the ratio of its body's derivative to
     its body, equal in every branch where the body is not 0 and free of the summed axis: the
     first-order form of its repair); anything else that moves fails the proof. It holds when
-    every output has derivative 0 along the motion."""
+    every output has derivative 0 along the motion: never when the stabiliser is an output itself
+    (nothing follows it to inspect, yet it moves at rate 1)."""
     stages = program.all_stages()
     elementwise = {st.name: st for st in stages if st.reduce_op is None}
     outputs = {o.stage for o in program.outputs}
+    if stabiliser.name in outputs:
+        return False  # the output is the max itself: it moves with it (derivative 1, not 0)
     values = symbolic.ValueSymbols()
     factors: dict[str, object] = {}  # moving sum -> d(value)/d(epsilon) / value
 
