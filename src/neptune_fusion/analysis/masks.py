@@ -29,10 +29,14 @@ from typing import Callable
 from neptune_fusion.ir.expr import (
     REDUCER_IDENTITY,
     Binary,
+    Cast,
     Const,
     Expr,
     Index,
+    Load,
+    Param,
     Reduce,
+    Size,
     Unary,
     Where,
     free_axes,
@@ -139,8 +143,6 @@ def _affine(expr: Expr, row: str, col: str) -> tuple[int, int, Expr] | None:
 
 
 def _is_integer(expr: Expr, int_params: set[str]) -> bool:
-    from neptune_fusion.ir.expr import Cast, Param
-
     for node in walk(expr):
         if isinstance(node, Const) and isinstance(node.value, float):
             return False
@@ -209,11 +211,59 @@ def _constraints_of(cmp: Expr, row: str, col: str, int_params: set[str]) -> list
 Vanishes = Callable[[Expr, Expr, float, float, tuple[str, ...]], bool]
 
 
-def analyze_masks(loop: FusedLoop, row: str, int_params: set[str] | None, vanishes: Vanishes) -> MaskInfo:
+def exact_anywhere(cond: Expr, int_params: set[str], int_buffers: frozenset[str]) -> bool:
+    """Whether `cond` has the same value wherever it is computed (the host building a block map,
+    the kernel): it compares loaded values, indices and integers, with no floating-point
+    arithmetic, whose results depend on how it is computed (`exp` against `exp2(x * log2e)`, a fused
+    multiply-add against a product rounded before the sum).
+
+    Example:
+        >>> doc = Load("doc", (Index("q"),)), Load("doc", (Index("k"),))
+        >>> exact_anywhere(Binary("eq", *doc), set(), frozenset({"doc"}))
+        True
+        >>> x = Load("x", (Index("q"), Index("k")))
+        >>> exact_anywhere(Binary("gt", Unary("exp", x), Const(1.0)), set(), frozenset())
+        False
+    """
+    def integer(e: Expr) -> bool:  # integer-valued: exact wherever it is computed
+        for n in walk(e):
+            if ((isinstance(n, Load) and n.buffer not in int_buffers)
+                    or (isinstance(n, Const) and isinstance(n.value, float))
+                    or (isinstance(n, Param) and n.name not in int_params)
+                    or (isinstance(n, Cast) and not n.dtype.startswith(("i", "b")))
+                    or (isinstance(n, Binary) and n.op in ("div", "pow"))
+                    or (isinstance(n, Unary) and n.op not in ("neg", "abs", "not"))):
+                return False
+        return True
+
+    def exact(e: Expr) -> bool:
+        if isinstance(e, (Const, Index, Param, Size)):
+            return True
+        if isinstance(e, Load):
+            return all(integer(i) for i in e.index)
+        if isinstance(e, Cast):
+            return exact(e.x)
+        if isinstance(e, Unary):
+            return e.op in ("not", "neg", "abs") and exact(e.x)
+        if isinstance(e, Where):
+            return exact(e.cond) and exact(e.a) and exact(e.b)
+        if isinstance(e, Binary):
+            if e.op in ("and", "or", "xor", "eq", "ne", "lt", "le", "gt", "ge", "max", "min"):
+                return exact(e.a) and exact(e.b)
+            return integer(e)
+        return False
+
+    return exact(cond)
+
+
+def analyze_masks(loop: FusedLoop, row: str, int_params: set[str] | None, vanishes: Vanishes,
+                  int_buffers: frozenset[str] = frozenset()) -> MaskInfo:
     """The masks of `loop` (see module docstring); `row` is the axis tiled per program.
 
     `vanishes(g, node, value, identity, producers)` must prove that g with `node` set to `value`
-    is the reducer's identity (the algebra layer's `contribution_vanishes`).
+    is the reducer's identity (the algebra layer's `contribution_vanishes`). Only conditions
+    `exact_anywhere` are masks (tiles are skipped by their value on the host or in the program);
+    `int_buffers`: the buffers holding integers or booleans.
     """
     col = loop.axis
     int_params = int_params or set()
@@ -225,7 +275,8 @@ def analyze_masks(loop: FusedLoop, row: str, int_params: set[str] | None, vanish
     for _, g in bodies:
         for node in walk(g):
             if (isinstance(node, Where) and col in free_axes(node.cond) and node not in candidates
-                    and any(_is_number(x) for x in (node.a, node.b))):
+                    and any(_is_number(x) for x in (node.a, node.b))
+                    and exact_anywhere(node.cond, int_params, int_buffers)):
                 candidates.append(node)
     # where-nodes that show the same condition (the mask on the scores for the max, on the weights
     # for the sums) form one mask: where it is false, every member must add its identity

@@ -153,7 +153,8 @@ def pair_work(fused: Program, q_bounds: Bounds, kv_bounds: Bounds, sizes: dict[s
     row = fused.input("q").dims[2]
     assert row is not None
     int_params = {p for p, kind in fused.param_kinds.items() if kind == "int"}
-    info = analyze_masks(loop, row, int_params, contribution_vanishes)
+    int_buffers = frozenset(b.name for b in fused.inputs if b.kind != "float")
+    info = analyze_masks(loop, row, int_params, contribution_vanishes, int_buffers)
     boxes = info.boxes()
     counts = torch.zeros(len(q_bounds), len(kv_bounds), dtype=torch.int64)
     for i, (q0, q1) in enumerate(q_bounds):

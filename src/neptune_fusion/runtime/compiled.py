@@ -287,7 +287,8 @@ def _masks_of(fused: Program, row: str) -> MaskInfo:
     key = (fused.fingerprint(), row)
     if key not in _MASKS:
         int_params = {p for p, k in fused.param_kinds.items() if k == "int"}
-        _MASKS[key] = analyze_masks(fused_loop_of(fused), row, int_params, contribution_vanishes)
+        int_buffers = frozenset(b.name for b in fused.inputs if b.kind != "float")
+        _MASKS[key] = analyze_masks(fused_loop_of(fused), row, int_params, contribution_vanishes, int_buffers)
     return _MASKS[key]
 
 

@@ -342,7 +342,8 @@ class KernelBuilder:
             self.block[axis] = f"BLOCK_{axis.upper()}"
             self.constexprs[f"BLOCK_{axis.upper()}"] = config.block_epilogue
         int_params = {p for p, k in program.param_kinds.items() if k == "int"}
-        self.masks: MaskInfo = analyze_masks(self.loop, self.roles.row, int_params, contribution_vanishes)
+        int_buffers = frozenset(b.name for b in program.inputs if b.kind != "float")
+        self.masks: MaskInfo = analyze_masks(self.loop, self.roles.row, int_params, contribution_vanishes, int_buffers)
 
     # --- values -----------------------------------------------------------------
     def fresh(self, prefix: str) -> str:
