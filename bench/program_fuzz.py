@@ -6,6 +6,8 @@ fp32 and fp16, sizes drawn so no axis need be a multiple of a tile, output width
 the cuBLAS break-even (schedule/library.py). Each against the reference executor.
 
     TRITON_INTERPRET=1 PYTHONPATH=. python bench/program_fuzz.py SEED COUNT
+    PYTHONPATH=src:. python -m bench.program_fuzz SEED COUNT cuda     (GPU machine: sizes up to
+                                                                      4096 x 8192, bf16 too)
 
 Prints each case that fails (an error above tolerance, an exception other than a FusionError),
 each FusionError (a refusal: right, or a fusion missed, to be read), and a summary.
@@ -18,7 +20,8 @@ import random
 import sys
 from typing import Any
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+if sys.argv[3:4] in ([], ["cpu"]):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 
@@ -77,22 +80,29 @@ def make(rng: random.Random) -> tuple[Any, tuple[str, str, str, bool]]:
     return nf.program(body), (stat, kind, tail, weighted)
 
 
-def main(seed: int, count: int) -> None:
+def main(seed: int, count: int, device: str = "cpu") -> None:
     rng = random.Random(seed)
     bad = refused = 0
+    gpu = device != "cpu"
+    tolerance = {torch.float32: 1e-4, torch.float16: 3e-2, torch.bfloat16: 6e-2}
     for case in range(count):
         prog, what = make(rng)
-        m, k, n = rng.randint(1, 48), rng.randint(1, 700), rng.choice([16, 200, 3000])
-        dtype = rng.choice([torch.float32, torch.float16])
-        x = (torch.randn(m, k) * rng.choice([0.5, 2.0]) + rng.choice([0.0, 3.0])).to(dtype)
-        g, w = torch.randn(k).to(dtype), (torch.randn(k, n) * k ** -0.5).to(dtype)
+        if gpu:
+            m, k, n = rng.randint(1, 4096), rng.randint(1, 8192), rng.choice([16, 200, 3000, 8192])
+            dtype = rng.choice([torch.float32, torch.float16, torch.bfloat16])
+        else:
+            m, k, n = rng.randint(1, 48), rng.randint(1, 700), rng.choice([16, 200, 3000])
+            dtype = rng.choice([torch.float32, torch.float16])
+        x = (torch.randn(m, k, device=device) * rng.choice([0.5, 2.0]) + rng.choice([0.0, 3.0])).to(dtype)
+        g = torch.randn(k, device=device).to(dtype)
+        w = (torch.randn(k, n, device=device) * k ** -0.5).to(dtype)
         label = f"{case} {what} {(m, k, n)} {dtype}"
         try:
             out = nf.compile(prog)(x, g, w)
             floats = tuple(t.float() for t in (x, g, w))
             ref = nf.run_reference(prog.trace(*floats), dict(prog.bind(*floats))).double()
             err = (out.double() - ref).abs().max().item() / (ref.abs().max().item() + 1e-6)
-            if not err <= (3e-2 if dtype == torch.float16 else 1e-4):
+            if not err <= tolerance[dtype]:
                 bad += 1
                 print("BAD", label, f"err {err:.2e}", flush=True)
         except nf.FusionError as exc:
@@ -105,4 +115,4 @@ def main(seed: int, count: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]))
+    main(int(sys.argv[1]), int(sys.argv[2]), *sys.argv[3:4])
