@@ -105,6 +105,9 @@ def main() -> None:
         if wrong:
             failures += 1
             print("FAIL", n, case, wrong, flush=True)
+        else:  # each case as it passes: a run cut short still says how far it got
+            print(f"ok {n} {case.mask} {case.score} {case.dtype} b{case.batch} h{case.heads_q}/{case.heads_kv} "
+                  f"q{case.len_q} kv{case.len_kv} d{case.dim}/{case.dim_v} {time.time() - start:.0f} s", flush=True)
     print(f"seed {args.seed}: {args.count} cases, {failures} failing, {time.time() - start:.0f} s")
 
 
