@@ -606,3 +606,49 @@ def test_a_reduction_to_one_value_compiles(randn):
     x = randn(6, 33)
     torch.testing.assert_close(nf.compile(nf.program(lambda x: x.sum()))(x), x.sum(), atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(nf.compile(nf.program(lambda x: x.amax()))(x), x.amax())
+
+
+def test_reduced_axes_must_be_python_integers(randn):
+    """A scalar parameter as the axis was iterated as an empty tuple: no reduction at all."""
+    with pytest.raises(TypeError, match="Python integers"):
+        nf.program(lambda x, ax: x.sum(axis=ax)).trace(x=randn(2, 3), ax=1)
+
+
+def test_means_over_axes_an_earlier_kernel_summed(randn):
+    """`x.mean((0, 2))`, `x.mean()`: a later kernel divides by the length of an axis none of its
+    inputs has (it reads the sums), passed to it as a parameter (partition.size_param)."""
+    x = randn(5, 17, 7)
+    for body, want in ((lambda x: x.mean((0, 2)), x.mean((0, 2))), (lambda x: x.mean(), x.mean()),
+                       (lambda x: x.mean(axis=-1).mean(axis=0), x.mean(-1).mean(0)),
+                       (lambda x: x.sum((0, 2)) / nf.size(x, 2), x.sum((0, 2)) / 7)):
+        fn = nf.compile(nf.program(body))
+        torch.testing.assert_close(fn(x), want, atol=1e-5, rtol=1e-5)
+        y = randn(3, 17, 11)  # the same kernels' shapes for the sums, other summed lengths
+        torch.testing.assert_close(fn(y), nf.run_reference(nf.program(body).trace(y), {"x": y}), atol=1e-5, rtol=1e-5)
+
+
+def test_layernorm_written_with_mean_compiles(randn):
+    """The run-time length squared in a repair (`size ** -2`) comes back to the IR as 1 / (n * n)."""
+    x = randn(6, 40, scale=2.0)
+
+    def ln_max(x):
+        c = x - x.mean(axis=-1, keepdims=True)
+        return (c / nf.sqrt((c * c).mean(axis=-1, keepdims=True) + 1e-5)).max(axis=-1)
+
+    xf = x.double()
+    c = xf - xf.mean(-1, keepdim=True)
+    want = (c / torch.sqrt((c * c).mean(-1, keepdim=True) + 1e-5)).amax(-1)
+    torch.testing.assert_close(nf.compile(nf.program(ln_max))(x).double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_batched_matmuls_with_short_rows_fit_a_tile(randn):
+    """(batch, rows, k) @ (k, n) with both output axes short enough to hold whole: the state is
+    tiled across the grid where it would not fit (a 4-D tile of 2M elements, above Triton's
+    limit, before); a plan that still cannot fit is refused at planning, so the fallback runs."""
+    x, w = randn(2, 65, 3), randn(3, 129)
+    torch.testing.assert_close(nf.compile(nf.program(lambda x, w: x @ w))(x, w), x @ w, atol=1e-5, rtol=1e-5)
+    a, b = randn(1, 1, 130), randn(1, 130, 5)
+    prog = nf.program(lambda a, b: nf.einsum("bik,bkn->in", a, b))
+    with pytest.warns(UserWarning, match="unfused"):
+        out = nf.compile(prog, allow_fallback=True)(a, b)
+    torch.testing.assert_close(out, torch.einsum("bik,bkn->in", a, b), atol=1e-5, rtol=1e-5)

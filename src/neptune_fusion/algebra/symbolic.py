@@ -166,8 +166,8 @@ def from_sympy(value: sp.Expr, table: SymbolTable) -> Expr:
             base, expo = node.args
             if base == 2:
                 return Unary("exp2", go(expo))
-            if expo == -1:
-                return Binary("div", Const(1.0), go(base))
+            if expo.is_Integer and int(expo) < 0:  # 1 / b**n: kernels take small positive powers
+                return Binary("div", Const(1.0), go(sp.Pow(base, -expo)))
             if expo.is_Integer and int(expo) > 0:
                 out = go(base)
                 for _ in range(int(expo) - 1):

@@ -442,9 +442,9 @@ def _axis_list(x: SymTensor, axis: Axes) -> list[int]:
     """The distinct axes `axis` names, normalised (None: every axis)."""
     if axis is None:
         return list(range(x.ndim))
-    named = [axis] if isinstance(axis, int) else list(axis)
+    named = list(axis) if isinstance(axis, (tuple, list)) else [axis]
     if not all(isinstance(a, int) and not isinstance(a, bool) for a in named):
-        raise TypeError(f"reduced axes must be integers, got {axis!r}")
+        raise TypeError(f"reduced axes must be Python integers (fixed when the program is traced), got {axis!r}")
     axes = [_norm_axis(a, x.ndim) for a in named]
     if len(set(axes)) != len(axes):
         raise ValueError(f"axis {axis!r} names an axis twice")

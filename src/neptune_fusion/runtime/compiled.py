@@ -35,7 +35,7 @@ from neptune_fusion.analysis.masks import MaskInfo, analyze_masks
 from neptune_fusion.codegen.gluon_source import GLUON_LOOP_TILES, consumer_registers, generate_gluon, gluon_support
 from neptune_fusion.codegen.gluon_source import ROW_BLOCK as GLUON_ROW_BLOCK
 from neptune_fusion.codegen.triton_source import generate
-from neptune_fusion.ir.errors import FusionError
+from neptune_fusion.ir.errors import FusionError, UnsupportedProgramError
 from neptune_fusion.ir.expr import Reduce, free_axes, walk
 from neptune_fusion.ir.program import FusedLoop, Program
 from neptune_fusion.lang.tensor import input_dtype_name
@@ -46,7 +46,7 @@ from neptune_fusion.runtime.reference import axis_extents, run_reference
 from neptune_fusion.runtime.state import CALL_STATE
 from neptune_fusion.schedule.auto import Plan, choose, fit
 from neptune_fusion.schedule.library import LibraryContraction, library_contraction
-from neptune_fusion.schedule.partition import Group, partition, split_at
+from neptune_fusion.schedule.partition import SIZE_PARAM_PREFIX, Group, partition, split_at
 from neptune_fusion.schedule.pipeline import SPLIT_AXIS, Step, combine_program, fuse, with_split_k
 from neptune_fusion.schedule.templates import Auto, Autotune, Flash, Schedule, SplitK
 from neptune_fusion.schedule.tiles import (
@@ -66,7 +66,14 @@ from neptune_fusion.tile.lower import (
     lower,
 )
 from neptune_fusion.tile.pipeline import prefetch_first_dot, prefetch_scalar_loads, separate_dot_operand_loads
-from neptune_fusion.tile.resources import HOPPER_REGISTERS, HOPPER_SHARED_BYTES, narrow_loops_first, plan_usage
+from neptune_fusion.tile.resources import (
+    HOPPER_REGISTERS,
+    HOPPER_SHARED_BYTES,
+    TRITON_MAX_NUMEL,
+    largest_tile,
+    narrow_loops_first,
+    plan_usage,
+)
 from neptune_fusion.transform.layout import group_divisor, pack_groups
 
 FLOAT_TORCH = (torch.float16, torch.bfloat16, torch.float32)
@@ -700,6 +707,12 @@ class Compiled:
             tile = prefetch_first_dot(tile) if plan.prefetch_dot and not tiling.loops else tile
             if dependent_launch:
                 tile.grid_dependency = "primary"
+            numel, value = largest_tile(tile)
+            if numel > TRITON_MAX_NUMEL:
+                raise UnsupportedProgramError(
+                    "tile planning", fused.name, "tile sizes",
+                    f"the tile value {value!r} would hold {numel} elements (blocks {tile.constexprs}); Triton "
+                    f"allows {TRITON_MAX_NUMEL}")
             return tile
 
         # the Gluon backend reads every tile it can through descriptors (its producer warp issues the
@@ -757,7 +770,7 @@ class Compiled:
         if key in self._cache:
             return self._cache[key]
         sizes = axis_extents(program, args)
-        env = dict(args)
+        env = {**args, **_axis_lengths(program, [g.program for g in groups], args)}
         parts: list[tuple[Group, Executable]] = []
         steps: list[Step] = []
         for k, group in enumerate(groups):
@@ -827,6 +840,8 @@ class Compiled:
         env = dict(example)
         sizes = axis_extents(program, example)
         device = example[program.inputs[0].name].device
+        env.update(_axis_lengths(program, [g.program for g, _ in exe.groups], example))
+        lengths = [g.program for g, _ in exe.groups]
         runs = []
         for group, part in exe.groups:
             names = arg_names(group.program)
@@ -839,6 +854,7 @@ class Compiled:
 
         def run(values: list[Any]) -> Any:
             known = dict(zip(order, values))
+            known.update(_axis_lengths(program, lengths, known))
             for names, launch, results in runs:
                 out = launch([known[n] for n in names])
                 known.update(zip(results, out if isinstance(out, tuple) else (out,)))
@@ -1076,6 +1092,16 @@ def _materialised(program: Program, group: Group, sizes: dict[str, int], device:
     return {r: torch.empty([sizes[a] for a in group.program.stage(outputs[j].stage).axes], dtype=torch.float32,
                            device=device)
             for j, r in enumerate(group.results) if not r.startswith("output:")}
+
+
+def _axis_lengths(program: Program, parts: list[Program], values: dict[str, Any]) -> dict[str, int]:
+    """The axis lengths `parts` (kernels of `program`) read as parameters (`partition.size_param`:
+    axes none of their inputs has), from the call's values; nothing when none does."""
+    wanted = [p for part in parts for p in part.params if p.startswith(SIZE_PARAM_PREFIX) and p not in program.params]
+    if not wanted:
+        return {}
+    extents = axis_extents(program, values)
+    return {p: extents[p.removeprefix(SIZE_PARAM_PREFIX)] for p in wanted}
 
 
 def _allocator(shape: list[int], dtype: torch.dtype, device: torch.device) -> Callable[[], torch.Tensor]:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from neptune_fusion.analysis.chains import chain_axis, transitive_reads
-from neptune_fusion.ir.expr import Cast, Index, Load, Reduce
+from neptune_fusion.ir.expr import Cast, Index, Load, Param, Reduce, Size, transform_bottom_up, walk
 from neptune_fusion.ir.program import InputBuffer, OutputSpec, Program, Stage
 from neptune_fusion.transform.distribute import distribute_constant_terms
 
@@ -214,6 +214,14 @@ def needed_stages(stages: list[Stage], roots: set[str]) -> list[Stage]:
     return [st for st in stages if st.name in keep]
 
 
+SIZE_PARAM_PREFIX = "size_of_"
+
+
+def size_param(axis: str) -> str:
+    """The parameter a kernel of `subprogram` reads an axis length from that its inputs do not give."""
+    return SIZE_PARAM_PREFIX + axis
+
+
 def subprogram(program: Program, name: str, stages: list[Stage], outputs: list[OutputSpec],
              extra_inputs: list[InputBuffer]) -> Program:
     """`program`'s `stages` with these outputs, as a program of its own: the inputs they read (and
@@ -229,9 +237,17 @@ def subprogram(program: Program, name: str, stages: list[Stage], outputs: list[O
         for dim, a in enumerate(b.dims):
             if a is not None:
                 axis_sizes.setdefault(a, (b.name, dim))
+    # the length of an axis none of these inputs has (a mean over an axis an earlier kernel summed)
+    # comes in as an integer parameter, `size_param(axis)`, which the caller passes with each call
+    sized = sorted({n.axis for st in stages for n in walk(st.body) if isinstance(n, Size)} - set(axis_sizes))
+    params, kinds = program.params, dict(program.param_kinds)
+    if sized:
+        swap = {Size(a): Param(size_param(a)) for a in sized}
+        stages = [replace(st, body=transform_bottom_up(st.body, swap.get)) for st in stages]
+        params = (*params, *(size_param(a) for a in sized))
+        kinds.update({size_param(a): "int" for a in sized})
     loops = {st.reduce_axis for st in stages if st.reduce_op is not None}
-    out = Program(name, inputs, program.params, tuple(stages), tuple(outputs), axis_sizes,
-                  dict(program.param_kinds), dict(program.derived_axes),
+    out = Program(name, inputs, params, tuple(stages), tuple(outputs), axis_sizes, kinds, dict(program.derived_axes),
                   program.loop_axis if program.loop_axis in loops else None)
     out.validate()
     return out

@@ -157,7 +157,13 @@ def choose_tiling(program: Program, full_sizes: dict[str, int], block_row: int, 
                 f"{spatial[axis]!r}; held whole it takes more than {MAX_WHOLE} registers per row, and neither "
                 "a grid tiling nor an inner loop over it computes both")
     sizes = dict(blocks)
-    while grid and _state_values(program, sizes, block_row) > _register_budget(num_warps):
+    budget = _register_budget(num_warps)
+    held_outputs = [a for a, _ in blocks if a not in grid and a in spatial and a not in reduced]
+    if len(held_outputs) > 1 and _state_values(program, sizes, block_row) > budget:
+        # several output axes short enough to hold whole (a batched matmul's rows beside its
+        # columns) multiply into a state that does not fit: they are tiled across the grid too
+        grid += held_outputs
+    while grid and _state_values(program, sizes, block_row) > budget:
         widest = max(grid, key=lambda a: sizes[a])
         if sizes[widest] <= 16:
             break

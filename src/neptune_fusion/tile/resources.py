@@ -311,3 +311,22 @@ def plan_usage(kernel: TileKernel, tiling_of: Callable[[Plan], AxisTiling]) -> C
         return fp.shared_bytes(c, plan.num_stages, plan.num_warps), fp.registers(c, plan.num_warps)
 
     return usage
+
+
+TRITON_MAX_NUMEL = 2**20  # Triton refuses a tensor of more elements (its `TRITON_MAX_TENSOR_NUMEL`)
+
+
+def largest_tile(kernel: TileKernel) -> tuple[int, str]:
+    """The element count of the kernel's largest tile value, and that value's name.
+
+    Example:
+        >>> from neptune_fusion.tile.lower import example_kernel
+        >>> largest_tile(example_kernel(16))[0]
+        256
+    """
+    best = (0, "")
+    for st in _deep(kernel.body):
+        if isinstance(st, Op) and st.out.axes:
+            n = math.prod(kernel.constexprs.get(kernel.block_sizes.get(a, ""), 1) for a in st.out.axes)
+            best = max(best, (n, st.out.name))
+    return best
