@@ -534,3 +534,41 @@ def test_callable_objects_dicts_and_numpy_values_a_mod_reads_are_keyed(attn_inpu
                 cap.cap, cfg["cap"], arr[0] = value, value, value
                 want = dense(q, k, v, 0.25, score=lambda s, c=value: c * torch.tanh(s / c))
                 torch.testing.assert_close(nf.attention(q, k, v, score_mod=mod), want, atol=2e-5, rtol=1e-4)
+
+
+CAP = 2.0
+
+
+def _global_softcap(score, b, h, q_idx, kv_idx):
+    return CAP * torch.tanh(score / CAP)
+
+
+def test_torch_compile_of_a_training_call_sees_a_changed_float_the_mod_reads(attn_inputs):
+    """The training op's handle is fixed in the graph: a float the mod reads (a global) changed
+    between calls is seen there too (the op asks for the handle of the current values), forward
+    and gradients, and a function compiled after a no-grad call saw another value starts right."""
+    global CAP
+    q, k, v = attn_inputs(1, H, 24, 24, 16)
+    f = torch.compile(lambda q, k, v: nf.attention(q, k, v, score_mod=_global_softcap), fullgraph=True,
+                      backend="aot_eager")
+    try:
+        for cap in (2.0, 0.5, 0.5, 3.0):
+            CAP = cap
+            qq = q.clone().requires_grad_()
+            out = f(qq, k, v)
+            q64 = q.double().requires_grad_()
+            want = dense(q64, k.double(), v.double(), 0.25, score=lambda s, c=cap: c * torch.tanh(s / c))
+            torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=1e-4)
+            out.square().sum().backward()
+            want.square().sum().backward()
+            torch.testing.assert_close(qq.grad.double(), q64.grad, atol=1e-4, rtol=1e-4)
+        with torch.no_grad():
+            CAP = 1.0
+            f(q, k, v)
+        CAP = 2.0
+        g = torch.compile(lambda q, k, v: nf.attention(q, k, v, score_mod=_global_softcap) * 1.0, fullgraph=True,
+                          backend="aot_eager")
+        want = dense(q, k, v, 0.25, score=lambda s: 2.0 * torch.tanh(s / 2.0))
+        torch.testing.assert_close(g(q.clone().requires_grad_(), k, v).detach(), want, atol=2e-5, rtol=1e-4)
+    finally:
+        CAP = 2.0

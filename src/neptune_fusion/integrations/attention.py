@@ -61,7 +61,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
-from neptune_fusion.integrations.autograd import handle_for
+from neptune_fusion.integrations.autograd import handle_for, refresh_with
 from neptune_fusion.integrations.autograd import train_forward as _train_forward
 from neptune_fusion.integrations.blockmask import block_tables, implied_by_mask_mod, mask_mod_of, visible
 from neptune_fusion.ir.expr import Const, simplify
@@ -965,7 +965,17 @@ def _training_handle_of(handle: int, layout: tuple[tuple[Any, ...], ...], scale:
                 raise NotImplementedError("a tensor the mods capture by identity (not a closure variable "
                                           "torch.compile can follow) in a call that records gradients")
             order.append(pos)
-    return handle_for(_compiled_for(call, h.request.schedule), call.args), tuple(order)
+    train = handle_for(_compiled_for(call, h.request.schedule), call.args)
+    keyed = h.keyed
+
+    def refresh() -> int:  # torch.compile keeps `train`: the op asks for the handle of the values of now
+        if _handles[handle].keyed is keyed and _unchanged(keyed[1].reads):
+            return train
+        _current_handle(handle)
+        return _training_handle_of(handle, layout, scale)[0]
+
+    refresh_with(train, refresh)
+    return train, tuple(order)
 
 
 def _extra_names(builtins: Builtins) -> list[str]:

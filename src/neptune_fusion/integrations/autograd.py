@@ -20,7 +20,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -378,10 +378,27 @@ def training_handle(fn_id: int, names: tuple[str, ...], kinds: tuple[str, ...], 
     return fn.training_handles[key]
 
 
+# training handles whose program depends on values torch.compile does not guard (a float a mod
+# reads, fixed in the graph with the handle): the handle -> a function giving the handle of the
+# current values, asked at every call of the op
+_refreshers: dict[int, Callable[[], int]] = {}
+
+
+def refresh_with(handle: int, refresh: Callable[[], int]) -> None:
+    """Have the training op run `refresh()`'s handle where it is given `handle`."""
+    _refreshers[handle] = refresh
+
+
+def current_handle(handle: int) -> int:
+    """`handle`, or the handle its refresher gives for the values of now (`refresh_with`)."""
+    refresh = _refreshers.get(handle)
+    return handle if refresh is None else refresh()
+
+
 @torch.library.custom_op("neptune_fusion::train_forward", mutates_args=())
 def train_forward(tensors: list[torch.Tensor], floats: list[float], ints: list[int], handle: int) -> list[torch.Tensor]:
     """The forward of a call that records gradients: its outputs, then the statistics its backward reads."""
-    entry = _entries[handle]
+    entry = _entries[current_handle(handle)]
     return _forward(entry, entry.named(tensors, floats, ints))
 
 
@@ -432,21 +449,55 @@ def _setup(ctx: Any, inputs: tuple[Any, ...], output: list[torch.Tensor]) -> Non
     ctx.save_for_backward(*tensors, *output)
 
 
-def _backward(ctx: Any, grads: list[torch.Tensor | None]) -> tuple[Any, ...]:
-    entry = _entries[ctx.handle]
+def _gradients(entry: _Entry, tensors: list[torch.Tensor], results: Sequence[torch.Tensor],
+               grads: Sequence[torch.Tensor | None], floats: list[float], ints: list[int]) -> list[torch.Tensor | None]:
+    """Per tensor argument of the call: its gradient (None where it is not differentiated)."""
     derived, gradient = entry.derived, entry.derived.gradient
-    stored = ctx.saved_tensors
-    tensors, results = list(stored[:ctx.count]), stored[ctx.count:]
-    named = entry.named(tensors, ctx.floats, ctx.ints)
+    named = entry.named(tensors, floats, ints)
     found = dict(zip(gradient.nonzero, derived.backward(**_backward_args(derived, named, results, grads))))
     out: list[torch.Tensor | None] = []
-    for name, tensor in zip((n for n, k in zip(entry.names, entry.kinds) if k == "tensor"), tensors):
+    for name, tensor in zip(_tensor_names(entry), tensors):
         if name not in gradient.wrt:
             out.append(None)
         elif name in found:
             out.append(found[name].to(tensor.dtype).reshape(tensor.shape))
         else:
             out.append(torch.zeros_like(tensor))
+    return out
+
+
+def _tensor_names(entry: _Entry) -> list[str]:
+    return [n for n, k in zip(entry.names, entry.kinds) if k == "tensor"]
+
+
+@torch.library.custom_op("neptune_fusion::train_backward", mutates_args=())
+def train_backward(tensors: list[torch.Tensor], results: list[torch.Tensor], grads: list[torch.Tensor | None],
+                   floats: list[float], ints: list[int], handle: int) -> list[torch.Tensor]:
+    """The backward of `train_forward` under torch.compile, one op: the gradients of the call's
+    tensors that are differentiated, in order. Its handle is asked again at the call
+    (`current_handle`), as the forward's is, so both follow values torch.compile does not guard."""
+    entry = _entries[current_handle(handle)]
+    return [g for g in _gradients(entry, tensors, results, grads, floats, ints) if g is not None]
+
+
+@train_backward.register_fake
+def _(tensors: list[torch.Tensor], results: list[torch.Tensor], grads: list[torch.Tensor | None],
+      floats: list[float], ints: list[int], handle: int) -> list[torch.Tensor]:
+    entry = _entries[handle]
+    wrt = entry.derived.gradient.wrt
+    return [torch.empty_like(t) for name, t in zip(_tensor_names(entry), tensors) if name in wrt]
+
+
+def _backward(ctx: Any, grads: list[torch.Tensor | None]) -> tuple[Any, ...]:
+    entry = _entries[ctx.handle]
+    stored = ctx.saved_tensors
+    tensors, results = list(stored[:ctx.count]), stored[ctx.count:]
+    if is_eager(tensors):
+        out = _gradients(entry, tensors, results, grads, ctx.floats, ctx.ints)
+    else:  # traced: one op, which runs the backward of the handle current when it is called
+        found = iter(train_backward(tensors, list(results), list(grads), ctx.floats, ctx.ints, ctx.handle))
+        wrt = entry.derived.gradient.wrt
+        out = [next(found) if name in wrt else None for name in _tensor_names(entry)]
     # the structure of the op's inputs, as torch flattens them: a list of numbers is one leaf, unless empty
     return out, None if ctx.floats else [], None if ctx.ints else [], None
 
@@ -473,7 +524,8 @@ class _EagerTraining(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph=True: gradients that would silently have none
             raise RuntimeError(f"{_entries[ctx.handle].derived.gradient.backward.name}: second derivatives are "
                                "not derived (create_graph=True); differentiate a plain torch version instead")
-        return (None, None, None, *_backward(ctx, list(grads))[0])
+        return (None, None, None, *_gradients(_entries[ctx.handle], list(ctx.saved_tensors[:ctx.count]),
+                                              ctx.saved_tensors[ctx.count:], list(grads), ctx.floats, ctx.ints))
 
 
 def handle_for(fn: Compiled, named: dict[str, Any]) -> int:
