@@ -124,6 +124,11 @@ def block_map(program: Program, masks: MaskInfo, roles: AxisRoles, sizes: dict[s
     # (visited, with the mask arithmetic) where it may hold nothing
     dense: Expr | None = None
     for part in conjuncts(push_not(cond)):
+        if not free_axes(part) <= set(frame):
+            # it varies along an axis the tile holds (a bias's head axis in a backward that sums
+            # over heads): it may hold anywhere, so it makes no tile empty and none full
+            all_vis[...] = False
+            continue
         if {roles.row, roles.col} <= free_axes(part):
             dense = part if dense is None else Binary("and", dense, part)
             continue
