@@ -594,3 +594,20 @@ def test_a_learnable_bias_broadcast_over_batch_or_heads_gets_its_gradient(attn_i
     torch.testing.assert_close(table.grad.double(), t64.grad, atol=1e-4, rtol=1e-4)
     with pytest.raises(nf.FusionError):
         attend(q, k, v, bias=torch.randn(2, H, 16, 16, generator=g).requires_grad_())
+
+
+SCALE = 0.3
+
+
+def test_dynamic_torch_compile_of_prefill_and_of_a_float_scale_variable(attn_inputs):
+    """`dynamic=True`: the default scale of a symbolic head dim and a global float scale are
+    symbolic while tracing (their finiteness is checked at launch); results equal eager's."""
+    torch._dynamo.reset()
+    for fn, scale in ((lambda q, k, v: nf.attention(q, k, v, mask_mod=causal), 0.25),
+                      (lambda q, k, v: nf.attention(q, k, v, scale=SCALE), SCALE)):
+        f = torch.compile(fn, dynamic=True, fullgraph=True, backend="aot_eager")
+        with torch.no_grad():
+            for n in (40, 41):
+                q, k, v = attn_inputs(1, H, n, n, 16)
+                keep = (torch.arange(n)[:, None] >= torch.arange(n)) if scale == 0.25 else None
+                torch.testing.assert_close(f(q, k, v), dense(q, k, v, scale, keep=keep), atol=2e-5, rtol=1e-4)

@@ -129,7 +129,9 @@ def _check_inputs(q: Any, k: Any, v: Any, score_mod: Any, scale: Any, enable_gqa
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a Python float, got {type(scale).__name__}")
     scale = float(scale)
-    if not math.isfinite(scale):
+    # inside torch.compile the scale may be symbolic (dynamic shapes, a float variable): the
+    # launch checks it (a kernel's float parameters must be finite)
+    if not torch.compiler.is_compiling() and not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
     return (hq // hk if hk else 1), scale
 
