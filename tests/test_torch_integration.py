@@ -176,6 +176,14 @@ def test_opcheck_on_the_registered_ops(attn_inputs):
 
     program_handle, _ = _handle(id(fn), 1, (), ("tensor",))
     torch.library.opcheck(_program_op, ([x], [], [], program_handle))
+    from neptune_fusion.integrations.autograd import handle_for, train_backward, train_forward
+
+    x = x.clone().requires_grad_()
+    train = handle_for(fn, {"x": x})
+    torch.library.opcheck(train_forward, ([x], [], [], train))
+    results = [r.detach() for r in train_forward([x], [], [], train)]
+    grads = [torch.randn_like(results[0]), *([None] * (len(results) - 1))]
+    torch.library.opcheck(train_backward, ([x.detach()], results, grads, [], [], train))
 
 
 def test_training_inside_torch_compile(randn):
