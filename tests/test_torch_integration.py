@@ -619,3 +619,27 @@ def test_dynamic_torch_compile_of_prefill_and_of_a_float_scale_variable(attn_inp
                 q, k, v = attn_inputs(1, H, n, n, 16)
                 keep = (torch.arange(n)[:, None] >= torch.arange(n)) if scale == 0.25 else None
                 torch.testing.assert_close(f(q, k, v), dense(q, k, v, scale, keep=keep), atol=2e-5, rtol=1e-4)
+
+
+def test_attend_edge_cases_found_by_fuzzing(attn_inputs):
+    """A bias that requires grad after a call with one that did not (same layout) records the
+    backward (the fast path looked only at q, k, v and captured tensors); an infinite softcap is
+    refused; a large softcap is the uncapped score (the interpreter's tanh cancelled for small
+    arguments); an explained Program's backward; no queries against many keys."""
+    q, k, v = attn_inputs(1, H, 4, 16, 16)
+    g = torch.Generator().manual_seed(4)
+    attend(q, k, v, bias=torch.randn(1, H, 4, 16, generator=g))
+    b = torch.randn(1, H, 4, 16, generator=g).requires_grad_()
+    out = attend(q, k, v, bias=b)
+    assert out.requires_grad
+    out.sum().backward()
+    assert b.grad is not None and b.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="finite"):
+        attend(q, k, v, softcap=math.inf)
+    torch.testing.assert_close(attend(q, k, v, softcap=1e6), dense(q, k, v, 0.25), atol=2e-5, rtol=1e-4)
+    prog = nf.attention_program(q, k, v)
+    assert "derived backward" in nf.explain(prog, **nf.attention_inputs(q, k, v), backward=True)
+    from neptune_fusion.library import attention as plain_attention
+
+    keys = torch.randn(1, H, 256, 16, generator=g)
+    assert nf.compile(plain_attention)(torch.randn(1, H, 0, 16), keys, keys, scale=0.25).shape == (1, H, 0, 16)

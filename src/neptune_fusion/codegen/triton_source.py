@@ -120,7 +120,9 @@ _TANH_PORTABLE = '''
 
 @triton.jit
 def _tanh(x):
-    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+    # 2 sigmoid(2x) - 1 cancels for small |x| (a large softcap's s / c): there the series
+    x2 = x * x
+    return tl.where(tl.abs(x) < 0.0625, x * (1.0 - x2 * (1.0 / 3.0 - x2 * (2.0 / 15.0))), 2.0 * tl.sigmoid(2.0 * x) - 1.0)
 '''
 
 _UNARY = {

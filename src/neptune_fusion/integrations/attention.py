@@ -1159,7 +1159,8 @@ def _call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: _Request, 
     fast_key = (_mod_id(request.score_mod), _mod_id(request.mask_mod), request[2:], scale, tensor_layout(q), tensor_layout(k),
                 tensor_layout(v), *map(tensor_layout, extras))
     hit = _fast.get(fast_key)
-    if hit is not None and hit.valid() and not (torch.is_grad_enabled() and _needs_grad([q, k, v, *hit.walk.tensors])):
+    if hit is not None and hit.valid() and not (torch.is_grad_enabled()
+                                                and _needs_grad([q, k, v, *hit.walk.tensors, *extras])):
         if lean_key is not None:
             _lean_remember(lean_key, hit)
         return hit.launch(q, k, v, [*hit.walk.tensors, *extras])
@@ -1261,8 +1262,8 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, scale
         if not causal:
             raise ValueError("window needs causal=True (the window ends at the query's position)")
     if softcap is not None:
-        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0:
-            raise ValueError(f"softcap must be a positive number, got {softcap!r}")
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 < softcap < math.inf:
+            raise ValueError(f"softcap must be a positive finite number, got {softcap!r}")
         softcap = float(softcap)
     extras: tuple[torch.Tensor, ...] = ()
     if key_padding is not None:

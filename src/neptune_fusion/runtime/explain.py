@@ -60,7 +60,8 @@ def explain(program: ProgramDef | Program | Compiled | Callable[..., Any], *args
     exe = compiled.executable_for(prog, named)
     out: list[str] = []
     if backward:
-        return _explain_backward(prog, named, schedule, explain(compiled, **named))
+        forward = explain(program if isinstance(program, Program) else compiled, schedule=schedule, **named)
+        return _explain_backward(prog, named, schedule, forward)
 
     def section(title: str, body: str) -> None:
         out.append(f"=== {title} ===")

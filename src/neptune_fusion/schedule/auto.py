@@ -147,11 +147,11 @@ def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: 
         # multiprocessor gets an extra one; each chunk at least four tiles long. The combine merges
         # splits x rows partial states, so programs with several rows (packed GQA groups,
         # speculative decoding) take fewer splits
-        wanted = max(1, (4 * num_sms) // (programs * (1 if streams else min(4, rows))))
+        wanted = max(1, (4 * num_sms) // max(1, programs * (1 if streams else min(4, rows))))
         # chunks of four tiles leave most multiprocessors idle when there are few programs (packed
         # GQA at short lengths); shorter chunks until each multiprocessor has one
         by_length = cols // (4 * block_col)
-        to_fill = min(num_sms // programs, math.ceil(cols / block_col))
+        to_fill = min(num_sms // max(1, programs), math.ceil(cols / block_col))
         splits = max(1, min(wanted, max(by_length, to_fill), 128))
     if splits > 1:
         # chunks are whole tiles: drop splits that would be left without any
