@@ -208,14 +208,39 @@ def test_a_reduction_without_a_repair_runs_in_a_later_kernel():
 def test_unfusable_program_falls_back_when_allowed():
     @nf.program
     def fractional_power_sum(x):
-        return (nf.abs_(x) ** 2.5).sum(axis=-1)
+        return (nf.abs_(x) ** 1.3).sum(axis=-1)
 
     x = torch.randn(8, 40)
     with pytest.raises(nf.FusionError, match="pow"):
         nf.compile(fractional_power_sum)(x)
     with pytest.warns(UserWarning, match="unfused"):
         out = nf.compile(fractional_power_sum, allow_fallback=True)(x)
-    torch.testing.assert_close(out, (x.abs() ** 2.5).sum(-1))
+    torch.testing.assert_close(out, (x.abs() ** 1.3).sum(-1))
+
+
+def test_half_integer_and_negative_powers_compile():
+    """`x ** c` for c a multiple of 1/2 (|c| <= 8) lowers to products of x and sqrt(x), inverted
+    for c < 0: a norm written `(ms + eps) ** -0.5`, forward and gradient."""
+    x = torch.randn(6, 40)
+
+    @nf.program
+    def powers(x):
+        a = nf.abs_(x) + 0.5
+        return (a ** 2.5).sum(axis=-1) + (a ** -2).sum(axis=-1) + (a ** 0.5).max(axis=-1)
+
+    a = x.abs() + 0.5
+    torch.testing.assert_close(nf.compile(powers)(x), (a ** 2.5).sum(-1) + (a ** -2).sum(-1) + (a ** 0.5).amax(-1),
+                               atol=1e-4, rtol=1e-5)
+
+    @nf.program
+    def rmsnorm_max(x):
+        return (x * ((x * x).sum(axis=-1, keepdims=True) / x.shape[-1] + 1e-5) ** -0.5).max(axis=-1)
+
+    xg = x.clone().requires_grad_()
+    nf.compile(rmsnorm_max)(xg).sum().backward()
+    x64 = x.double().requires_grad_()
+    (x64 * ((x64 * x64).mean(-1, keepdim=True) + 1e-5) ** -0.5).amax(-1).sum().backward()
+    torch.testing.assert_close(xg.grad.double(), x64.grad, atol=1e-4, rtol=1e-4)
 
 
 def test_explain_shows_every_stage():

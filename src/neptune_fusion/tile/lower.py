@@ -463,14 +463,12 @@ class KernelBuilder:
             return self._unary(expr, ctx)
         if isinstance(expr, Binary):
             if expr.op == "pow":
-                if isinstance(expr.b, Const) and isinstance(expr.b.value, (int, float)) and float(expr.b.value).is_integer() and 1 <= expr.b.value <= 8:
-                    base = self.emit(expr.a, ctx)
-                    out = base
-                    for _ in range(int(expr.b.value) - 1):
-                        out = self.bin("mul", out, base)
-                    return out
-                raise UnsupportedProgramError("tile lowering", self.program.name, "pow",
-                                              "only small positive integer powers are supported in kernels")
+                power = self._power(expr, ctx)
+                if power is None:
+                    raise UnsupportedProgramError("tile lowering", self.program.name, "pow",
+                                                  "only constant powers that are multiples of 1/2, at most 8 in "
+                                                  "magnitude, are supported in kernels")
+                return power
             a, b = self.emit(expr.a, ctx), self.emit(expr.b, ctx)
             return self.bin(expr.op, a, b)
         if isinstance(expr, Where):
@@ -502,6 +500,20 @@ class KernelBuilder:
         if expr.op == "abs":
             return self.op("unary", x.axes, x.dtype, (x,), op="abs")
         return self._unary_f32(expr.op, x)
+
+    def _power(self, expr: Binary, ctx: _Ctx) -> TVal | None:
+        """`a ** c` for a constant c, a nonzero multiple of 1/2 with |c| <= 8: products of `a` and
+        of `sqrt(a)`, inverted for c < 0 (None for any other power)."""
+        c = expr.b.value if isinstance(expr.b, Const) else None
+        if not isinstance(c, (int, float)) or isinstance(c, bool) or not float(2 * c).is_integer() or not 0 < abs(c) <= 8:
+            return None
+        base = self.emit(expr.a, ctx)
+        whole, half = divmod(abs(float(c)), 1.0)
+        factors = [base] * int(whole) + ([self._unary_f32("sqrt", base)] if half else [])
+        out = factors[0]
+        for f in factors[1:]:
+            out = self.bin("mul", out, f)
+        return self.bin("div", self.const(1.0), out) if c < 0 else out
 
     def _unary_f32(self, op: str, x: TVal) -> TVal:
         x = self.to(x, "f32")
