@@ -251,8 +251,9 @@ _SCALARS = (type(None), bool, int, float, complex, str, bytes)
 
 # How to reach a tensor a mod closes over, from the mod: a tuple of steps, each ("cell", i),
 # ("global", name), ("default", i), ("kwdefault", name), ("item", i or a dict's key), ("func",),
-# ("self",), ("class", name) (a callable object's function), ("arg", i) or ("keyword", name). torch.compile follows the same steps (`_follow`) to pass the
-# tensors into the graph as inputs, so it sees (and guards) the values of every call.
+# ("self",), ("class", name) (a callable object's function), ("arg", i) or ("keyword", name).
+# torch.compile follows the same steps (`_follow`) to pass the tensors into the graph as inputs,
+# so it sees (and guards) the values of every call.
 Path = tuple[tuple[Any, ...], ...]
 
 
@@ -428,8 +429,7 @@ def _call_function(obj: Any) -> types.FunctionType | None:
             return None  # the hooks run too: keyed by identity only
         fn = getattr(type(obj), "forward", None)
     else:
-        fn = type(obj).__dict__.get("__call__") or next(
-            (c.__dict__["__call__"] for c in type(obj).__mro__ if "__call__" in c.__dict__), None)
+        fn = next((c.__dict__["__call__"] for c in type(obj).__mro__ if "__call__" in c.__dict__), None)
     return fn if isinstance(fn, types.FunctionType) else None
 
 
