@@ -142,7 +142,9 @@ def _affine(expr: Expr, row: str, col: str) -> tuple[int, int, Expr] | None:
     return None
 
 
-def _is_integer(expr: Expr, int_params: set[str]) -> bool:
+def _is_integer(expr: Expr, int_params: set[str], int_buffers: frozenset[str] = frozenset()) -> bool:
+    """Whether `expr` computes an integer from indices, integer parameters and loads of
+    `int_buffers` only (exact wherever it is computed)."""
     for node in walk(expr):
         if isinstance(node, Const) and isinstance(node.value, float):
             return False
@@ -154,7 +156,7 @@ def _is_integer(expr: Expr, int_params: set[str]) -> bool:
             return False
         if isinstance(node, Unary) and node.op not in ("neg", "abs"):
             return False
-    return not loads_of(expr)
+    return loads_of(expr) <= int_buffers
 
 
 def conjuncts(cond: Expr) -> list[Expr]:
@@ -225,22 +227,11 @@ def exact_anywhere(cond: Expr, int_params: set[str], int_buffers: frozenset[str]
         >>> exact_anywhere(Binary("gt", Unary("exp", x), Const(1.0)), set(), frozenset())
         False
     """
-    def integer(e: Expr) -> bool:  # integer-valued: exact wherever it is computed
-        for n in walk(e):
-            if ((isinstance(n, Load) and n.buffer not in int_buffers)
-                    or (isinstance(n, Const) and isinstance(n.value, float))
-                    or (isinstance(n, Param) and n.name not in int_params)
-                    or (isinstance(n, Cast) and not n.dtype.startswith(("i", "b")))
-                    or (isinstance(n, Binary) and n.op in ("div", "pow"))
-                    or (isinstance(n, Unary) and n.op not in ("neg", "abs", "not"))):
-                return False
-        return True
-
     def exact(e: Expr) -> bool:
         if isinstance(e, (Const, Index, Param, Size)):
             return True
         if isinstance(e, Load):
-            return all(integer(i) for i in e.index)
+            return all(_is_integer(i, int_params, int_buffers) for i in e.index)
         if isinstance(e, Cast):
             return exact(e.x)
         if isinstance(e, Unary):
@@ -250,7 +241,7 @@ def exact_anywhere(cond: Expr, int_params: set[str], int_buffers: frozenset[str]
         if isinstance(e, Binary):
             if e.op in ("and", "or", "xor", "eq", "ne", "lt", "le", "gt", "ge", "max", "min"):
                 return exact(e.a) and exact(e.b)
-            return integer(e)
+            return _is_integer(e, int_params, int_buffers)
         return False
 
     return exact(cond)

@@ -46,7 +46,7 @@ from neptune_fusion.runtime.reference import axis_extents, run_reference
 from neptune_fusion.runtime.state import CALL_STATE
 from neptune_fusion.schedule.auto import Plan, choose, fit
 from neptune_fusion.schedule.library import LibraryContraction, library_contraction
-from neptune_fusion.schedule.partition import SIZE_PARAM_PREFIX, Group, partition, split_at
+from neptune_fusion.schedule.partition import Group, length_axes, partition, split_at
 from neptune_fusion.schedule.pipeline import SPLIT_AXIS, Step, combine_program, fuse, with_split_k
 from neptune_fusion.schedule.templates import Auto, Autotune, Flash, Schedule, SplitK
 from neptune_fusion.schedule.tiles import (
@@ -770,7 +770,7 @@ class Compiled:
         if key in self._cache:
             return self._cache[key]
         sizes = axis_extents(program, args)
-        env = {**args, **_axis_lengths(program, [g.program for g in groups], args)}
+        env = {**args, **_lengths(program, _length_params(program, [g.program for g in groups]), args)}
         parts: list[tuple[Group, Executable]] = []
         steps: list[Step] = []
         for k, group in enumerate(groups):
@@ -840,8 +840,8 @@ class Compiled:
         env = dict(example)
         sizes = axis_extents(program, example)
         device = example[program.inputs[0].name].device
-        env.update(_axis_lengths(program, [g.program for g, _ in exe.groups], example))
-        lengths = [g.program for g, _ in exe.groups]
+        length_params = _length_params(program, [g.program for g, _ in exe.groups])
+        env.update(_lengths(program, length_params, example))
         runs = []
         for group, part in exe.groups:
             names = arg_names(group.program)
@@ -854,7 +854,8 @@ class Compiled:
 
         def run(values: list[Any]) -> Any:
             known = dict(zip(order, values))
-            known.update(_axis_lengths(program, lengths, known))
+            if length_params:
+                known.update(_lengths(program, length_params, known))
             for names, launch, results in runs:
                 out = launch([known[n] for n in names])
                 known.update(zip(results, out if isinstance(out, tuple) else (out,)))
@@ -1094,14 +1095,18 @@ def _materialised(program: Program, group: Group, sizes: dict[str, int], device:
             for j, r in enumerate(group.results) if not r.startswith("output:")}
 
 
-def _axis_lengths(program: Program, parts: list[Program], values: dict[str, Any]) -> dict[str, int]:
-    """The axis lengths `parts` (kernels of `program`) read as parameters (`partition.size_param`:
-    axes none of their inputs has), from the call's values; nothing when none does."""
-    wanted = [p for part in parts for p in part.params if p.startswith(SIZE_PARAM_PREFIX) and p not in program.params]
-    if not wanted:
+def _length_params(program: Program, parts: list[Program]) -> dict[str, str]:
+    """The axes whose lengths `parts` (kernels of `program`) read as parameters, by parameter
+    (`partition.length_axes`: axes none of their inputs has)."""
+    return {p: a for part in parts for p, a in length_axes(part, program).items()}
+
+
+def _lengths(program: Program, params: dict[str, str], values: dict[str, Any]) -> dict[str, int]:
+    """Those parameters' values for a call of `program` with `values`."""
+    if not params:
         return {}
     extents = axis_extents(program, values)
-    return {p: extents[p.removeprefix(SIZE_PARAM_PREFIX)] for p in wanted}
+    return {p: extents[a] for p, a in params.items()}
 
 
 def _allocator(shape: list[int], dtype: torch.dtype, device: torch.device) -> Callable[[], torch.Tensor]:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from neptune_fusion.ir.expr import Binary, Const, Expr, Index, Load, Reduce, free_axes
 from neptune_fusion.ir.program import InputBuffer, OutputSpec, Program, Stage
-from neptune_fusion.schedule.partition import SIZE_PARAM_PREFIX, needed_stages, subprogram
+from neptune_fusion.schedule.partition import length_axes, needed_stages, subprogram
 
 PASS = "library"
 # cuBLAS's 16-bit GEMM on the H200 at a model's sizes (~780 TFLOP/s), the share of it the
@@ -129,7 +129,7 @@ def library_contraction(program: Program, sizes: dict[str, int], dtype: str) -> 
         # an axis only an input it does not read gives the size of (a position k sized by w): that
         # input comes along for its size
         # (also an axis whose length it reads, `Size`, which would otherwise be a parameter)
-        lengths = {p.removeprefix(SIZE_PARAM_PREFIX) for p in writer.params if p not in program.params}
+        lengths = set(length_axes(writer, program).values())
         sizers = {program.axis_sizes[a][0] for a in _unsized_axes(writer) | lengths if a in program.axis_sizes}
         if sizers:
             writer = subprogram(program, writer.name, stages, [OutputSpec(name, axes)],
@@ -137,7 +137,7 @@ def library_contraction(program: Program, sizes: dict[str, int], dtype: str) -> 
         if not any(isinstance(st.body, Reduce) for st in writer.stages):
             return Declined(f"operand {j} of {stage.name!r} is element-wise: the fused kernel computes it as it "
                             "loads its tiles, and no kernel writes it alone")
-        unsized = _unsized_axes(writer) | {p for p in writer.params if p not in program.params}
+        unsized = _unsized_axes(writer) | set(length_axes(writer, program).values())
         if unsized:
             return Declined(f"operand {j} of {stage.name!r} would have axes {sorted(unsized)} that no input it "
                             "reads gives the size of")

@@ -222,6 +222,12 @@ def size_param(axis: str) -> str:
     return SIZE_PARAM_PREFIX + axis
 
 
+def length_axes(part: Program, whole: Program) -> dict[str, str]:
+    """The axes whose lengths `part` (a `subprogram` of `whole`) reads as parameters, by parameter."""
+    return {p: p.removeprefix(SIZE_PARAM_PREFIX) for p in part.params
+            if p.startswith(SIZE_PARAM_PREFIX) and p not in whole.params}
+
+
 def subprogram(program: Program, name: str, stages: list[Stage], outputs: list[OutputSpec],
              extra_inputs: list[InputBuffer]) -> Program:
     """`program`'s `stages` with these outputs, as a program of its own: the inputs they read (and
