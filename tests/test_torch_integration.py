@@ -205,6 +205,26 @@ def test_training_inside_torch_compile(randn):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
+
+def test_training_inside_torch_compile_with_automatic_dynamic_shapes(randn):
+    """torch.compile's default marks sizes dynamic when a second length arrives: a call that records
+    gradients (attention, and an `nf.compile`d program) specialises its graph to each length instead
+    of failing, and every length's gradients equal the eager call's."""
+    torch._dynamo.reset()
+    lin = torch.nn.Linear(16, 16)
+    pool = nf.compile(nf.program(lambda x, w: nf.einsum("ij,jk->ik", nf.exp(x - x.max(axis=-1, keepdims=True)), w)))
+
+    def step(x, w):
+        return nf.attention(lin(x), x, x, mask_mod=causal).square().sum() + pool(lin(x[0, 0]), w).square().sum()
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    for n in (24, 40, 33):
+        x, w = randn(1, H, n, 16), randn(16, 8).requires_grad_()
+        want = torch.autograd.grad(step(x, w), [lin.weight, w])
+        got = torch.autograd.grad(compiled(x, w), [lin.weight, w])
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
 @pytest.mark.parametrize("lq", [1, 7, 40])
 def test_attend_describes_model_masks_by_value(attn_inputs, lq):
     q, k, v = attn_inputs(2, H, lq, 40, 16)

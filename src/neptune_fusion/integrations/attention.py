@@ -71,7 +71,7 @@ from neptune_fusion.lang.tensor import SymTensor, broadcast, cast, lift
 from neptune_fusion.lang.torch_function import CaptureTable
 from neptune_fusion.lang.trace import ArgSpec, ProgramDef, trace
 from neptune_fusion.runtime.compiled import Compiled
-from neptune_fusion.runtime.state import CALL_STATE, in_cudagraph_tree, object_of, private_state
+from neptune_fusion.runtime.state import CALL_STATE, in_cudagraph_tree, object_of, private_state, static_shape
 from neptune_fusion.schedule.templates import Auto, Flash, Schedule, SplitK
 
 __all__ = ["AuxOutput", "Builtins", "attend", "attention", "attention_inputs", "attention_program", "clear_cache",
@@ -940,7 +940,7 @@ def _run_compiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: _R
     captured = [_follow(mods, p) for p in paths]
     found = [*captured, *extras]
     if torch.is_grad_enabled() and _needs_grad([q, k, v, *found]):
-        layout = tuple((tuple(t.shape), str(t.dtype).split(".")[-1], t.requires_grad) for t in (q, k, v, *found))
+        layout = tuple((static_shape(t), str(t.dtype).split(".")[-1], t.requires_grad) for t in (q, k, v, *found))
         train, order = _training_handle_of(handle, layout, scale)
         sources = (q, k, v, *found)
         count = 1 + sum(request.outputs)

@@ -32,7 +32,7 @@ from neptune_fusion.lang.trace import FixedProgram
 from neptune_fusion.runtime import compiled as _compiled
 from neptune_fusion.runtime.compiled import Compiled, install_allocator, output_specs
 from neptune_fusion.runtime.reference import axis_extents, run_reference
-from neptune_fusion.runtime.state import in_cudagraph_tree, object_of, private_state
+from neptune_fusion.runtime.state import in_cudagraph_tree, object_of, private_state, static_shape
 from neptune_fusion.schedule.materialise import (
     Contraction,
     Materialised,
@@ -534,7 +534,7 @@ def handle_for(fn: Compiled, named: dict[str, Any]) -> int:
     tensors = [v for v in named.values() if isinstance(v, torch.Tensor)]
     wrt = tuple(n for n, v in named.items() if isinstance(v, torch.Tensor) and v.requires_grad and v.is_floating_point())
     return training_handle(id(fn), tuple(named), argument_kinds(tuple(named.values())), wrt,
-                           tuple(tuple(t.shape) for t in tensors), tuple(str(t.dtype).split(".")[-1] for t in tensors),
+                           tuple(static_shape(t) for t in tensors), tuple(str(t.dtype).split(".")[-1] for t in tensors),
                            tuple(v for v in named.values() if not isinstance(v, torch.Tensor)))
 
 

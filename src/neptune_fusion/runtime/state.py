@@ -10,11 +10,12 @@ Example:
 from __future__ import annotations
 
 import ctypes
+import operator
 import threading
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-__all__ = ["CALL_STATE", "in_cudagraph_tree", "object_of", "private_state"]
+__all__ = ["CALL_STATE", "in_cudagraph_tree", "object_of", "private_state", "static_shape"]
 
 
 class _CallState(threading.local):
@@ -79,3 +80,17 @@ def object_of(obj_id: int) -> Any:
         True
     """
     return ctypes.cast(obj_id, ctypes.py_object).value
+
+
+def static_shape(tensor: Any) -> tuple[int, ...]:
+    """The shape of `tensor` as plain ints. Inside torch.compile with dynamic shapes a size is a
+    symbol, which a function whose result torch.compile keeps as a constant cannot take:
+    `operator.index` makes torch.compile specialise the graph to the size it sees (a guard on it),
+    so a new size traces a new graph, as with `dynamic=False`, instead of failing.
+
+    Example:
+        >>> import torch
+        >>> static_shape(torch.empty(2, 3))
+        (2, 3)
+    """
+    return tuple(operator.index(d) for d in tensor.shape)
