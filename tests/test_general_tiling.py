@@ -529,6 +529,30 @@ def test_tiled_operands_read_through_tensor_descriptors(prog, monkeypatch, randn
     assert any("make_tensor_descriptor" in s and ".load([" in s for s in sources)
 
 
+
+@nf.program
+def exp_prologue_matmul(x, g, w):
+    return nf.einsum("ik,ke->ie", nf.exp(x * 0.1) * g, w)
+
+
+def test_a_computed_operand_against_an_unrescaled_accumulator_reads_the_other_through_pointers(monkeypatch, randn):
+    """Triton 3.6 miscompiled a K-loop dot with a computed operand and a descriptor-read one at 8
+    warps (NaN rows on the H200): such kernels read their plain operands through pointers, and give
+    the reference result; attention's P @ V (its accumulator rescaled) keeps its descriptor reads."""
+    from neptune_fusion.schedule.pipeline import fuse
+    from neptune_fusion.tile.lower import descriptor_hazards
+
+    monkeypatch.setenv("NEPTUNE_FUSION_TMA", "force")
+    args = (randn(200, 96), randn(96), randn(96, 48, scale=0.1))
+    fused = fuse(exp_prologue_matmul.trace(*args))[-1].program
+    assert descriptor_hazards(fused, 8) == {"g", "w"} and not descriptor_hazards(fused, 4)
+    fn = _check(exp_prologue_matmul, args, torch.float16, schedule=nf.flash(block_q=128, block_k=32, num_warps=8))
+    assert not any("make_tensor_descriptor" in k.source for e in fn._cache.values() for k in (e.main, e.combine)
+                   if k is not None)
+    qkv = (randn(1, 2, 64, 64) for _ in range(3))
+    assert not descriptor_hazards(fuse(attention.trace(*qkv, 0.1))[-1].program, 8)
+    assert not descriptor_hazards(fuse(gram_like_matmul.trace(randn(64, 32), randn(32, 16)))[-1].program, 8)
+
 def test_a_reduction_over_an_empty_axis_is_a_clear_error(randn):
     """A reduction over an axis of length 0 (no terms: torch's sum is 0, its mean nan) is refused
     before anything is compiled, naming the axis (it raised SymPy's `zoo` from the fusion)."""

@@ -62,6 +62,7 @@ from neptune_fusion.tile.lower import (
     BLOCK_MAP_PREFIX,
     LoweringConfig,
     assign_roles,
+    descriptor_hazards,
     fused_loop_of,
     lower,
 )
@@ -621,7 +622,8 @@ class Compiled:
         tiling = choose_tiling(fused, full_sizes, plan.block_row, plan.block_col,
                                4 if main_dtype == "f32" else 2, plan.num_stages, plan.num_warps)
         check_fits(tiling, fused, plan.block_row, plan.num_warps)
-        tma = all_tma = _tma_buffers(program, args, device, options)
+        all_tma = _tma_buffers(program, args, device, options)
+        tma = all_tma - descriptor_hazards(fused, plan.num_warps)  # Gluon's kernels order their own copies
         if use_block_map or (plan.splits > 1 and not tiling.loops):
             # tiles at run-time coordinates (from the block map) and split-K's memory-bound single
             # reads of each key tile load faster through pointers: a descriptor costs more to set up

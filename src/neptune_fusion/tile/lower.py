@@ -131,6 +131,57 @@ class LoweringConfig:
     notes: list[str] = field(default_factory=list)
 
 
+def descriptor_hazards(program: Program, num_warps: int) -> frozenset[str]:
+    """Inputs a fused program must read through pointers, not tensor descriptors: the plain
+    operands of a sum whose other operand is computed in registers (`exp(x) * g` against `w`) and
+    whose accumulator no repair rescales, in a kernel of more than one warpgroup. Triton 3.6 keeps
+    such a dot's wgmma in flight across iterations, and with its copy-engine operand and two
+    warpgroups it wrote garbage (NaN) into most rows on the H200 (bench/NOTES.md, run 54); pointer
+    loads, one warpgroup or a rescaled accumulator (attention's P @ V) were correct.
+
+    Example:
+        >>> import torch, neptune_fusion as nf
+        >>> from neptune_fusion.schedule.pipeline import fuse
+        >>> p = nf.program(lambda x, g, w: nf.einsum("ik,ke->ie", nf.exp(x) * g, w))
+        >>> fused = list(fuse(p.trace(torch.randn(64, 32), torch.randn(32), torch.randn(32, 16))))[-1].program
+        >>> sorted(descriptor_hazards(fused, 8)), sorted(descriptor_hazards(fused, 4))
+        (['g', 'w'], [])
+    """
+    if num_warps <= 4:
+        return frozenset()
+    inputs = {b.name for b in program.inputs}
+    repaired: set[Expr] = set()
+    for node in program.stages:
+        if isinstance(node, FusedLoop):
+            repaired |= {m.body for m in node.members if node.producers.get(m.name)}
+    bodies = [n.body for n in program.stages if isinstance(n, Stage)]
+    bodies += [m.body for n in program.stages if isinstance(n, FusedLoop) for m in n.members]
+    found: set[str] = set()
+    for body in bodies:
+        for node in walk(body):
+            if not (isinstance(node, Reduce) and node.op == "sum") or node in repaired:
+                continue
+            factors = _product_factors(node.body)
+            plain = [f for f in factors if _plain_input_load(f, inputs) is not None]
+            computed = [f for f in factors if f not in plain and node.axis in free_axes(f)]
+            if computed:
+                found |= {_plain_input_load(f, inputs) for f in plain} - {None}
+    return frozenset(found)
+
+
+def _product_factors(expr: Expr) -> list[Expr]:
+    if isinstance(expr, Binary) and expr.op == "mul":
+        return _product_factors(expr.a) + _product_factors(expr.b)
+    return [expr]
+
+
+def _plain_input_load(expr: Expr, inputs: set[str]) -> str | None:
+    """The input `expr` reads as it is stored (possibly converted), or None."""
+    while isinstance(expr, Cast):
+        expr = expr.x
+    return expr.buffer if isinstance(expr, Load) and expr.buffer in inputs else None
+
+
 def fused_loop_of(program: Program) -> FusedLoop:
     """The single FusedLoop of a fused program (UnsupportedProgramError otherwise)."""
     loops = [n for n in program.stages if isinstance(n, FusedLoop)]
