@@ -206,16 +206,39 @@ def test_a_reduction_without_a_repair_runs_in_a_later_kernel():
 
 
 def test_unfusable_program_falls_back_when_allowed():
-    @nf.program
-    def fractional_power_sum(x):
-        return (nf.abs_(x) ** 1.3).sum(axis=-1)
-
-    x = torch.randn(8, 40)
-    with pytest.raises(nf.FusionError, match="pow"):
-        nf.compile(fractional_power_sum)(x)
+    """A contraction over two axes at once whose tile cannot fit (a plan refused at planning)."""
+    prog = nf.program(lambda a, b: nf.einsum("bik,bkn->in", a, b))
+    a, b = torch.randn(1, 1, 130), torch.randn(1, 130, 5)
+    with pytest.raises(nf.FusionError):
+        nf.compile(prog)(a, b)
     with pytest.warns(UserWarning, match="unfused"):
-        out = nf.compile(fractional_power_sum, allow_fallback=True)(x)
-    torch.testing.assert_close(out, (x.abs() ** 1.3).sum(-1))
+        out = nf.compile(prog, allow_fallback=True)(a, b)
+    torch.testing.assert_close(out, torch.einsum("bik,bkn->in", a, b), atol=1e-5, rtol=1e-5)
+
+
+def test_any_power_compiles_as_torch_pow_computes_it():
+    """`x ** c` for any constant c, and `x ** y` for a tensor y, as torch.pow on floats: negative
+    bases with odd and fractional exponents, zeros, infinities, NaN, (-1) ** inf; forward and
+    gradient of a fractional power."""
+    special = torch.tensor([0.0, 1.0, -1.0, math.inf, -math.inf, math.nan, -2.0, 0.5, 3.0, -0.25])
+    x = torch.cat([special, torch.randn(54) * 3]).reshape(64, 1)
+    for c in (1.3, -0.7, 10.0, 9.0, -11.0, 7.5, math.inf, -math.inf, 0.0, math.nan):
+        got = nf.compile(nf.program(lambda x: (x ** c).sum(axis=-1)))(x)
+        torch.testing.assert_close(got.double(), (x.double() ** c).sum(-1), rtol=1e-4, atol=1e-5, equal_nan=True)
+    exponents = torch.tensor([math.nan, math.inf, -math.inf, 0.0, 0.5, -0.5, 3.0, -3.0, 2.5])
+    pairs = torch.cartesian_prod(special, exponents)
+    base, exponent = pairs[:, :1].contiguous(), pairs[:, 1:].contiguous()
+    got = nf.compile(nf.program(lambda x, y: (x ** y).sum(axis=-1)))(base, exponent)
+    torch.testing.assert_close(got.double(), (base.double() ** exponent.double()).sum(-1), rtol=1e-5, atol=1e-6,
+                               equal_nan=True)
+    y = torch.randn(6, 40)
+    yg = y.clone().requires_grad_()
+    out = nf.compile(nf.program(lambda y: (nf.abs_(y) ** 1.3).sum(axis=-1)))(yg)
+    out.backward(torch.arange(6.0))
+    y64 = y.double().requires_grad_()
+    ((y64.abs() ** 1.3).sum(-1) * torch.arange(6.0, dtype=torch.float64)).sum().backward()
+    torch.testing.assert_close(out.double(), (y.double().abs() ** 1.3).sum(-1), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(yg.grad.double(), y64.grad, atol=1e-4, rtol=1e-4)
 
 
 def test_half_integer_and_negative_powers_compile():

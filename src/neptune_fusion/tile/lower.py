@@ -515,11 +515,7 @@ class KernelBuilder:
         if isinstance(expr, Binary):
             if expr.op == "pow":
                 power = self._power(expr, ctx)
-                if power is None:
-                    raise UnsupportedProgramError("tile lowering", self.program.name, "pow",
-                                                  "only constant powers that are multiples of 1/2, at most 8 in "
-                                                  "magnitude, are supported in kernels")
-                return power
+                return power if power is not None else self._general_power(expr, ctx)
             a, b = self.emit(expr.a, ctx), self.emit(expr.b, ctx)
             return self.bin(expr.op, a, b)
         if isinstance(expr, Where):
@@ -554,7 +550,7 @@ class KernelBuilder:
 
     def _power(self, expr: Binary, ctx: _Ctx) -> TVal | None:
         """`a ** c` for a constant c, a nonzero multiple of 1/2 with |c| <= 8: products of `a` and
-        of `sqrt(a)`, inverted for c < 0 (None for any other power)."""
+        of `sqrt(a)`, inverted for c < 0 (None for any other power: `_general_power`)."""
         c = expr.b.value if isinstance(expr.b, Const) else None
         if not isinstance(c, (int, float)) or isinstance(c, bool) or not float(2 * c).is_integer() or not 0 < abs(c) <= 8:
             return None
@@ -564,7 +560,55 @@ class KernelBuilder:
         out = factors[0]
         for f in factors[1:]:
             out = self.bin("mul", out, f)
-        return self.bin("div", self.const(1.0), out) if c < 0 else out
+        out = self.bin("div", self.const(1.0), out) if c < 0 else out
+        if half and whole:  # torch takes |a| ** c at -inf, except for c = +-0.5 (its sqrt)
+            out = self._where(self.bin("eq", base, self.const(-math.inf)), self.const(math.inf if c > 0 else 0.0), out)
+        return out
+
+    def _general_power(self, expr: Binary, ctx: _Ctx) -> TVal:
+        """`a ** b` for any b, as torch.pow computes it on floats: exp2(b * log2 |a|), negated for a
+        negative a and an odd integer b, NaN for a negative a and a fractional b (-inf ** b is
+        |a| ** b), and 1 where b is 0, where a is 1 and for (-1) ** +-inf. A constant b decides
+        its cases here; a tensor b, per element."""
+        a = self.to(self.emit(expr.a, ctx), "f32")
+        if isinstance(expr.b, Const):
+            c = float(expr.b.value)
+            if c == 0:
+                return self.op("full", a.axes, "f32", value=1.0)
+            if math.isnan(c):
+                return self._where(self.bin("eq", a, self.const(1.0)), self.const(1.0), self.const(math.nan))
+            b = self.const(c)
+            flags = (math.isinf(c), c.is_integer() or math.isinf(c), c.is_integer() and c % 2 == 1)
+            infinite_b, integer_b, odd_b = (self.const(f) for f in flags)
+        else:
+            b = self.to(self.emit(expr.b, ctx), "f32")
+            infinite_b = self.bin("eq", self._unary_f32("abs", b), self.const(math.inf))
+            integer_b = self.bin("or", self.bin("eq", self.bin("mod", b, self.const(1.0)), self.const(0.0)), infinite_b)
+            odd_b = self.bin("and", self.bin("eq", self.bin("mod", b, self.const(2.0)), self.const(1.0)),
+                             self._not(infinite_b))
+        out = self._unary_f32("exp2", self.bin("mul", b, self._unary_f32("log2", self._unary_f32("abs", a))))
+        negative = self.bin("lt", a, self.const(0.0))
+        if not (isinstance(expr.b, Const) and not flags[2]):
+            out = self._where(self._and(negative, odd_b), self.op("unary", out.axes, "f32", (out,), op="neg"), out)
+        if not (isinstance(expr.b, Const) and flags[1]):
+            undefined = self._and(self._and(negative, self._not(integer_b)), self.bin("ne", a, self.const(-math.inf)))
+            out = self._where(undefined, self.const(math.nan), out)
+        one = self.bin("eq", a, self.const(1.0))
+        if not (isinstance(expr.b, Const) and not flags[0]):
+            one = self.bin("or", one, self._and(self.bin("eq", a, self.const(-1.0)), infinite_b))
+        if not isinstance(expr.b, Const):
+            one = self.bin("or", one, self.bin("eq", b, self.const(0.0)))
+        return self._where(one, self.const(1.0), out)
+
+    def _and(self, a: TVal, b: TVal) -> TVal:
+        return self.bin("and", a, b)
+
+    def _not(self, x: TVal) -> TVal:
+        return self.op("unary", x.axes, "bool", (self.to(x, "bool"),), op="not")
+
+    def _where(self, cond: TVal, a: TVal, b: TVal) -> TVal:
+        a, b = self._promote(a, b, None)
+        return self.op("where", self.union(cond, a, b), a.dtype, (cond, a, b))
 
     def _unary_f32(self, op: str, x: TVal) -> TVal:
         x = self.to(x, "f32")
