@@ -626,3 +626,18 @@ def test_linear_cross_entropy_ignores_targets_outside_the_vocabulary(monkeypatch
     torch.testing.assert_close(loss.double(), want.detach(), atol=1e-5, rtol=1e-5)
     assert torch.all(loss[[2, 7, 9]] == 0) and torch.all(hl.grad[[2, 7, 9]] == 0)
     assert_grads([hl.grad, wl.grad], [hr.grad, wr.grad], tol=1e-5)
+
+
+def test_a_backward_kernel_reading_no_input_along_an_axis_gets_its_length() -> None:
+    """`x - mean(x)`: a kernel of the backward sums the gradient along an axis none of its inputs
+    has whole (the length became a parameter of that kernel, which the backward did not pass:
+    a KeyError at the forward call)."""
+    g = torch.Generator().manual_seed(3)
+    for axis in (-1, 0):
+        x = torch.randn(27, 5, generator=g)
+        weights = torch.randn(27, 5, generator=g)
+        xg = x.clone().requires_grad_()
+        (nf.compile(nf.program(lambda x: x - x.mean(axis, keepdims=True)))(xg) * weights).sum().backward()
+        x64 = x.double().requires_grad_()
+        ((x64 - x64.mean(axis, keepdim=True)) * weights.double()).sum().backward()
+        torch.testing.assert_close(xg.grad.double(), x64.grad, atol=1e-5, rtol=1e-5)

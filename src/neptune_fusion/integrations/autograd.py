@@ -44,7 +44,7 @@ from neptune_fusion.schedule.materialise import (
     chunk_length,
     materialise,
 )
-from neptune_fusion.schedule.partition import Group, partition_loops
+from neptune_fusion.schedule.partition import Group, length_axes, partition_loops
 from neptune_fusion.schedule.templates import Auto
 from neptune_fusion.transform.grad import Gradient, differentiate, grad_name
 
@@ -248,10 +248,19 @@ class Kernels:
             sub = group.program
             self.steps.append((group, Compiled(FixedProgram(sub), Auto(), allow_fallback) if chain_axis(sub)
                                else Unfused(sub)))
+        # lengths of axes a kernel reads none of its inputs along, passed to it as parameters
+        self.length_params = {p: a for group, _ in self.steps for p, a in length_axes(group.program, program).items()}
+
+    def _with_lengths(self, named: dict[str, Any]) -> dict[str, Any]:
+        if not self.length_params:
+            return named
+        extents = axis_extents(self.program, named)
+        return {**named, **{p: extents[a] for p, a in self.length_params.items()}}
 
     def prepare(self, **named: Any) -> None:
         """Plan and compile every kernel for arguments like `named` without running any, so a
         backward that cannot be planned raises at the forward call, before a training step."""
+        named = self._with_lengths(named)
         sizes = axis_extents(self.program, named)
         pool = dict(named)
         failed: list[tuple[int, FusionError]] = []
@@ -293,6 +302,7 @@ class Kernels:
 
     def __call__(self, **named: Any) -> tuple[torch.Tensor, ...]:
         install_allocator()  # Triton's allocator is per thread, and autograd runs backward passes in its own
+        named = self._with_lengths(named)
         pool = dict(named)
         outs: list[torch.Tensor | None] = [None] * len(self.program.outputs)
         for group, fn in self.steps:
