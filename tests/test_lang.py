@@ -652,3 +652,19 @@ def test_batched_matmuls_with_short_rows_fit_a_tile(randn):
     with pytest.warns(UserWarning, match="unfused"):
         out = nf.compile(prog, allow_fallback=True)(a, b)
     torch.testing.assert_close(out, torch.einsum("bik,bkn->in", a, b), atol=1e-5, rtol=1e-5)
+
+
+def test_a_reduction_of_a_value_that_kept_a_reduced_axis(randn):
+    """Reducing another axis of a keepdims result keeps the size-1 axis a broadcast: the stage's
+    buffer has its real axes only (its load named the kept axis too, which the kernels refused and
+    the reference executor indexed past the buffer's rank)."""
+    x = randn(4, 5, 6)
+    cases = [(lambda x: x.sum(axis=-1, keepdims=True).max(axis=0), x.sum(-1, keepdim=True).amax(0)),
+             (lambda x: x.sum(axis=1, keepdims=True).min(axis=2), x.sum(1, keepdim=True).amin(2)),
+             (lambda x: x.max(axis=0, keepdims=True).sum(axis=-1), x.amax(0, keepdim=True).sum(-1)),
+             (lambda x: x.mean(axis=(0, 2), keepdims=True).sum(axis=1), x.mean((0, 2), keepdim=True).sum(1)),
+             (lambda x: (x.sum(axis=-1, keepdims=True) * 2.0).max(axis=0), (x.sum(-1, keepdim=True) * 2).amax(0))]
+    for fn, want in cases:
+        prog = nf.program(fn)
+        torch.testing.assert_close(nf.compile(prog)(x), want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(nf.run_reference(prog.trace(x), {"x": x}), want, atol=1e-5, rtol=1e-5)

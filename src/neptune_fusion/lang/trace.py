@@ -90,7 +90,8 @@ class Tracer:
             prefix = "ew"
         name = self.fresh(prefix)
         self.stages.append(Stage(name, tuple(d.var for d in real), body))
-        self.memo[key] = SymTensor(dims, _load(name, dims), self, kind)
+        # the stage's buffer has its real axes only: a size-1 dim (kept by keepdims) is a broadcast
+        self.memo[key] = SymTensor(dims, _load(name, real), self, kind)
         return self.memo[key]
 
     def materialize(self, x: SymTensor) -> SymTensor:
