@@ -668,3 +668,23 @@ def test_a_reduction_of_a_value_that_kept_a_reduced_axis(randn):
         prog = nf.program(fn)
         torch.testing.assert_close(nf.compile(prog)(x), want, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(nf.run_reference(prog.trace(x), {"x": x}), want, atol=1e-5, rtol=1e-5)
+
+
+def test_outputs_take_torchs_promoted_dtype_of_the_inputs():
+    """fp16 and fp32 inputs give an fp32 output whatever their order (it took the first float
+    input's dtype: a row sum of 8e4 overflowed to inf in fp16); a 0-d fp32 tensor does not
+    promote an fp16 one, as in torch; attention keeps the query's dtype beside fp32 captures."""
+    a, b = torch.zeros(2, 8, dtype=torch.float16), torch.full((2, 8), 1e4)
+    for prog, args in ((nf.program(lambda a, b: (a + b).sum(axis=-1)), (a, b)),
+                       (nf.program(lambda b, a: (a + b).sum(axis=-1)), (b, a))):
+        out = nf.compile(prog)(*args)
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out, (a + b).sum(-1))
+    t = torch.tensor(2.0)
+    assert nf.compile(nf.program(lambda a, t: (a * t).sum(axis=-1)))(a, t).dtype == torch.float16
+    q = torch.randn(1, 2, 16, 8, dtype=torch.float16)
+    slopes = torch.rand(2)
+    for grad in (False, True):
+        slopes.requires_grad_(grad)
+        out = nf.attention(q, q, q, score_mod=lambda s, b, h, i, j: s - slopes[h] * (i - j))
+        assert out.dtype == torch.float16 and out.requires_grad == grad

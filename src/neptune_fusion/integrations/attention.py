@@ -688,7 +688,10 @@ def _trace_entry(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: _Re
 
 
 class _FlexDef(ProgramDef):
-    """The ProgramDef behind a Compiled attention: named arguments, the program resolved by the caller."""
+    """The ProgramDef behind a Compiled attention: named arguments, the program resolved by the
+    caller; the output has the query's dtype, as FlexAttention's (captured fp32 tables do not promote it)."""
+
+    promotes_outputs = False
 
     def __init__(self, names: tuple[str, ...]) -> None:
         def attention(*args: Any) -> Any:

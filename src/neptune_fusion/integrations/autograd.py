@@ -344,7 +344,8 @@ def derived_for(fn: Compiled, program: Program, wrt: tuple[str, ...]) -> Derived
     found = fn.training.get(key)
     if found is None:
         gradient = differentiate(program, wrt)
-        found = Derived(gradient, Compiled(FixedProgram(gradient.forward), fn.schedule, fn.allow_fallback),
+        found = Derived(gradient, Compiled(FixedProgram(gradient.forward, fn.program_def.promotes_outputs), fn.schedule,
+                                           fn.allow_fallback),
                         Kernels(gradient.backward, gradient.held, fn.allow_fallback))
         fn.training[key] = found
     return found

@@ -235,6 +235,10 @@ def _finalize(
 class ProgramDef:
     """A plain function marked with `@nf.program`; traced on first use for given argument kinds."""
 
+    # outputs take torch's promoted dtype of the floating inputs (fp16 + fp32 gives fp32); where
+    # False, the first floating input's (attention's query, as FlexAttention; backward kernels)
+    promotes_outputs = True
+
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
         self.name = fn.__name__
@@ -250,6 +254,28 @@ class ProgramDef:
 
     def specs(self, *args: Any, **kwargs: Any) -> tuple[ArgSpec, ...]:
         return tuple(spec_of(n, v) for n, v in self.bind(*args, **kwargs))
+
+    def output_dtype(self, program: Program, values: dict[str, Any]) -> Any:
+        """The dtype of a float output of `program` called with `values` (torch tensors by input
+        name) that no cast declares: as torch promotes, tensors with dims before 0-d ones.
+
+        Example:
+            >>> import torch
+            >>> from neptune_fusion.library import softmax
+            >>> x, w = torch.randn(2, 3, dtype=torch.float16), torch.randn(3)
+            >>> ProgramDef(lambda x, w: x * w).output_dtype(softmax.trace(x), {"x": x})
+            torch.float16
+        """
+        import torch
+
+        floats = [values[b.name] for b in program.inputs if values[b.name].is_floating_point()]
+        if not self.promotes_outputs:
+            return floats[0].dtype
+        ranked = [t for t in floats if t.dim() > 0] or floats
+        out = ranked[0].dtype
+        for t in ranked[1:]:
+            out = torch.promote_types(out, t.dtype)
+        return out
 
     def trace(self, *args: Any, **kwargs: Any) -> Program:
         """The Program for arguments like these (torch tensors or example shapes/scalars)."""
@@ -284,8 +310,9 @@ class FixedProgram(ProgramDef):
         ['x']
     """
 
-    def __init__(self, prog: Program) -> None:
+    def __init__(self, prog: Program, promotes_outputs: bool = False) -> None:
         names = [b.name for b in prog.inputs] + list(prog.params)
+        self.promotes_outputs = promotes_outputs
         self.fn = None
         self.name = prog.name
         self.signature = inspect.Signature(

@@ -526,7 +526,7 @@ def output_specs(fn: Compiled, named: dict[str, Any]) -> list[tuple[list[int], t
     """Shapes and dtypes of what `fn(**named)` returns, from the traced program (no kernel runs)."""
     program = fn.program_def.trace(**named)
     sizes = axis_extents(program, named)
-    out_dtype = next(named[b.name].dtype for b in program.inputs if named[b.name].is_floating_point())
+    out_dtype = fn.program_def.output_dtype(program, named)
     return [([sizes[d] if d else 1 for d in (spec.view or spec.dims)],
              _declared_dtype(program.stage(spec.stage).body, out_dtype)) for spec in program.outputs]
 
@@ -851,7 +851,7 @@ class Compiled:
             env.update(_materialised(program, group, sizes, device))
         # a group that reads only materialised (fp32) values would return fp32: outputs keep the
         # dtypes the whole program gives them
-        out_dtype = next(example[b.name].dtype for b in program.inputs if example[b.name].is_floating_point())
+        out_dtype = self.program_def.output_dtype(program, example)
         dtypes = [_declared_dtype(program.stage(o.stage).body, out_dtype) for o in program.outputs]
 
         def run(values: list[Any]) -> Any:
@@ -954,7 +954,7 @@ class Compiled:
                 raise
             warnings.warn(f"neptune_fusion: running {program.name!r} unfused: {exc}", stacklevel=3)
             self.fallback_reason = str(exc)
-            dtype = next(named[b.name].dtype for b in program.inputs if named[b.name].is_floating_point())
+            dtype = self.program_def.output_dtype(program, named)
             return (lambda values: run_reference(program, dict(zip(order, values)), out_dtype=dtype)), None
         # a plan asked for that the executable does not run (a program of several kernels plans each
         # of its own): nothing to shrink
@@ -974,7 +974,7 @@ class Compiled:
         assert exe.main is not None and exe.plan is not None
         sizes = axis_extents(exe.main.program, example)
         device = example[program.inputs[0].name].device
-        out_dtype = next(example[b.name].dtype for b in program.inputs if example[b.name].is_floating_point())
+        out_dtype = self.program_def.output_dtype(program, example)
         fused = exe.main.program
         roles = _roles_of(fused)
         out_shapes = {spec.stage: [sizes[a] for a in fused.stage(spec.stage).axes] for spec in fused.outputs}
