@@ -225,7 +225,9 @@ def _body(score_mod: ScoreMod | None, mask_mod: MaskMod | None, builtins: Builti
         out = where(empty, 0.0, u / denom)
         stats = []
         if outputs.lse:
-            stats.append(cast(where(empty, -math.inf, m + log(denom))[..., 0], "f32"))  # float32, as FlexAttention
+            # a +inf score makes the row's exponentials NaN, and its LSE +inf, as FlexAttention's
+            lse = where(empty, -math.inf, where(m == math.inf, math.inf, m + log(denom)))
+            stats.append(cast(lse[..., 0], "f32"))  # float32, as FlexAttention
         if outputs.max_scores:
             stats.append(cast(m[..., 0], "f32"))
         return (out, *stats) if stats else out
