@@ -721,3 +721,18 @@ def test_repeat_interleave_needs_a_sized_dimension():
 
     with pytest.raises(ValueError, match="size"):
         repeated.trace(torch.randn(2, 5))
+
+
+def test_sparse_and_meta_inputs_are_clear_errors():
+    """Tensors without data to read (sparse, meta) are refused by name before any launch (they
+    reached Triton's interpreter or `data_ptr` before)."""
+    q = torch.randn(1, 2, 8, 16)
+    prog = nf.compile(nf.program(lambda x: x.sum(axis=-1)))
+    with pytest.raises(TypeError, match="query is a torch.sparse_coo tensor"):
+        nf.attention(q.to_sparse(), q, q)
+    with pytest.raises(TypeError, match="'x' is a torch.sparse_coo tensor"):
+        prog(torch.randn(3, 4).to_sparse())
+    with pytest.raises(ValueError, match="meta tensors"):
+        nf.attention(*(q.to("meta"),) * 3)
+    with pytest.raises(ValueError, match="meta tensors"):
+        prog(torch.randn(3, 4, device="meta"))

@@ -95,6 +95,8 @@ def _check_inputs(q: Any, k: Any, v: Any, score_mod: Any, scale: Any, enable_gqa
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(f"{name} must have shape (batch, heads, seq_len, head_dim), got shape {tuple(t.shape)}")
+        if t.layout != torch.strided:
+            raise TypeError(f"{name} is a {t.layout} tensor; attention reads dense (strided) tensors")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"query, key and value must have the same dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
     if q.dtype not in _FLOAT_DTYPES:
@@ -1161,8 +1163,12 @@ def _call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: _Request, 
     # the checks and the resolution that call passed; only what its mods read is checked again
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
         _check_inputs(q, k, v, request.score_mod, scale, request.enable_gqa)  # raises the TypeError
-    fast_key = (_mod_id(request.score_mod), _mod_id(request.mask_mod), request[2:], scale, tensor_layout(q), tensor_layout(k),
-                tensor_layout(v), *map(tensor_layout, extras))
+    try:
+        fast_key = (_mod_id(request.score_mod), _mod_id(request.mask_mod), request[2:], scale, tensor_layout(q),
+                    tensor_layout(k), tensor_layout(v), *map(tensor_layout, extras))
+    except RuntimeError:  # a tensor without data (sparse): the checks say which
+        _check_inputs(q, k, v, request.score_mod, scale, request.enable_gqa)
+        raise
     hit = _fast.get(fast_key)
     if hit is not None and hit.valid() and not (torch.is_grad_enabled()
                                                 and _needs_grad([q, k, v, *hit.walk.tensors, *extras])):

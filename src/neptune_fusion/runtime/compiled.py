@@ -200,6 +200,9 @@ def _check_tensors(program: Program, args: dict[str, Any], interpreter: bool) ->
         t = args.get(buf.name)
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"argument {buf.name!r} must be a torch.Tensor, got {type(t).__name__}")
+        if t.layout != torch.strided:
+            raise TypeError(f"argument {buf.name!r} is a {t.layout} tensor; kernels read dense (strided) tensors "
+                            "(call .to_dense())")
         if device is None:
             device = t.device
         elif t.device != device:
@@ -213,6 +216,9 @@ def _check_tensors(program: Program, args: dict[str, Any], interpreter: bool) ->
         if any(s < 0 for s in t.stride()):
             raise ValueError(f"argument {buf.name!r} has a negative stride {t.stride()}")
     assert device is not None
+    if device.type == "meta":
+        raise ValueError("inputs are meta tensors, which hold no data to compute on (torch.compile traces a call "
+                         "with fake tensors of the real device instead)")
     if device.type != "cuda" and not interpreter:
         raise ValueError(
             f"inputs are on {device}; kernels run on CUDA tensors (or on CPU tensors under TRITON_INTERPRET=1)"
@@ -895,7 +901,12 @@ class Compiled:
     def launcher_for(self, args: Sequence[Any]) -> Callable[[Sequence[Any]], Any]:
         """The per-call function for positional arguments like `args` (compiled at the first call
         with their shapes, dtypes, strides and alignment): `launcher_for(args)(args)` runs it."""
-        key = tuple(map(_arg_key, args))
+        try:
+            key = tuple(map(_arg_key, args))
+        except RuntimeError:  # a tensor without data (sparse): the checks say which and why
+            named = dict(zip(self._names, args))
+            _check_tensors(self.program_def.trace(**named), named, (self.options or Options.from_environment()).interpreter)
+            raise
         run = self._launchers.get(key)
         if run is None:
             run = self._until_launched(key, dict(zip(self._names, args)))
