@@ -344,6 +344,29 @@ def test_relative_position_table_gradient_in_kernels() -> None:
     assert_grads(got, want, tol=2e-4)
 
 
+
+@pytest.mark.parametrize("shape,index", [((65,), lambda t, b, h, i, j: t[j]), ((20, 30), lambda t, b, h, i, j: t[i, j]),
+                                         ((2, 30), lambda t, b, h, i, j: t[b, j])], ids=["key", "query_key", "batch_key"])
+def test_learnable_biases_over_the_keys_in_kernels(shape, index) -> None:
+    """A bias read at the key index (per key, per query and key, per batch and key): its gradient
+    sums over the other axes in the frame's order (b, h, k), so its kernel shares dK's roles; the
+    key axis led its partial sums before, was held whole, and the tile outgrew Triton's limit."""
+    torch.manual_seed(0)
+    batch = shape[0] if len(shape) == 2 and shape[0] == 2 else 1
+    lq, lk = (20, 30) if len(shape) == 2 else (16, 65)
+    q = torch.randn(batch, 2, lq, 16, dtype=torch.float64)
+    k, v = (torch.randn(batch, 2, lk, 16, dtype=torch.float64) for _ in range(2))
+    table = torch.randn(*shape, dtype=torch.float64)
+    leaves = [x.float().requires_grad_() for x in (q, k, v, table)]
+    out = nf.attention(*leaves[:3], score_mod=lambda s, b, h, i, j: s + index(leaves[3], b, h, i, j))
+    seed = torch.randn(out.shape, dtype=torch.float64)
+    got = torch.autograd.grad(out, leaves, seed.float())
+    ref = [x.clone().requires_grad_() for x in (q, k, v, table)]
+    b, i, j = torch.arange(batch)[:, None, None, None], torch.arange(lq)[:, None], torch.arange(lk)[None]
+    s = ref[0] @ ref[1].transpose(-1, -2) / 4.0 + index(ref[3], b, None, i, j)
+    want = torch.autograd.grad(torch.softmax(s, -1) @ ref[2], ref, seed)
+    assert_grads(got, want, tol=2e-4)
+
 def test_linear_cross_entropy_backward_over_a_long_hidden_axis_is_materialised_a_chunk_at_a_time(monkeypatch) -> None:
     """Hidden size 600, over what a tile holds whole: dW's and dh's kernels would both contract the
     hidden axis (the logits) and accumulate over it. The logits' gradient is materialised for a

@@ -295,7 +295,9 @@ class _Reverse:
                               f"axes {sorted(clash)} would be renamed onto axes that are summed over")
         axes = tuple(a for a in target_axes if a is not None)
         zero = _zero_condition(value)
-        current = (*kept, *reduced)
+        # the partial sums keep the frame's order (b, h, k, not k, b, h): their kernel then shares
+        # the roles of the others over the same axes (dK's), where a leading key axis made it a held one
+        current = (*[a for a in kept if a not in frame], *[a for a in frame if a in kept or a in reduced])
         for n, axis in enumerate(reversed(reduced)):
             current = tuple(a for a in current if a != axis)
             last = n == len(reduced) - 1
