@@ -664,3 +664,20 @@ def test_a_backward_kernel_reading_no_input_along_an_axis_gets_its_length() -> N
         x64 = x.double().requires_grad_()
         ((x64 - x64.mean(axis, keepdim=True)) * weights.double()).sum().backward()
         torch.testing.assert_close(xg.grad.double(), x64.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_gradients_passed_through_unchanged_share_no_memory() -> None:
+    """`x + y`: both gradients are the upstream one. Each is its own tensor, so accumulating into
+    one `.grad` leaves the other alone (they were one tensor: a second backward after zeroing in
+    place doubled), also inside torch.compile, which refuses outputs aliasing inputs."""
+    fn = nf.compile(nf.program(lambda x, y: (x + y).sum(axis=-1)))
+    x, y = torch.randn(16, 32, requires_grad=True), torch.randn(16, 32, requires_grad=True)
+    fn(x, y).sum().backward()
+    assert x.grad.data_ptr() != y.grad.data_ptr()
+    x.grad.zero_()
+    assert torch.equal(y.grad, torch.ones(16, 32))
+    fn(x, y).sum().backward()
+    assert torch.equal(x.grad, torch.ones(16, 32)) and torch.equal(y.grad, 2 * torch.ones(16, 32))
+    torch._dynamo.reset()
+    gx, gy = torch.autograd.grad(torch.compile(fn, backend="aot_eager", fullgraph=True)(x, y).sum(), [x, y])
+    assert torch.equal(gx, torch.ones(16, 32)) and torch.equal(gy, torch.ones(16, 32))

@@ -467,13 +467,19 @@ def _gradients(entry: _Entry, tensors: list[torch.Tensor], results: Sequence[tor
     named = entry.named(tensors, floats, ints)
     found = dict(zip(gradient.nonzero, derived.backward(**_backward_args(derived, named, results, grads))))
     out: list[torch.Tensor | None] = []
+    # a gradient passed through unchanged (x + y: both are the upstream gradient) is copied, so
+    # no two gradients, and no gradient and an argument, share memory (accumulating into one
+    # .grad would change the other; torch.compile refuses outputs aliasing inputs)
+    taken = {x.untyped_storage().data_ptr() for x in (*tensors, *results, *grads) if x is not None}
     for name, tensor in zip(_tensor_names(entry), tensors):
         if name not in gradient.wrt:
             out.append(None)
-        elif name in found:
-            out.append(found[name].to(tensor.dtype).reshape(tensor.shape))
-        else:
-            out.append(torch.zeros_like(tensor))
+            continue
+        g = found[name].to(tensor.dtype).reshape(tensor.shape) if name in found else torch.zeros_like(tensor)
+        if g.untyped_storage().data_ptr() in taken:
+            g = g.clone()
+        taken.add(g.untyped_storage().data_ptr())
+        out.append(g)
     return out
 
 
