@@ -218,11 +218,11 @@ def test_unfusable_program_falls_back_when_allowed():
 
 def test_any_power_compiles_as_torch_pow_computes_it():
     """`x ** c` for any constant c, and `x ** y` for a tensor y, as torch.pow on floats: negative
-    bases with odd and fractional exponents, zeros, infinities, NaN, (-1) ** inf; forward and
-    gradient of a fractional power."""
-    special = torch.tensor([0.0, 1.0, -1.0, math.inf, -math.inf, math.nan, -2.0, 0.5, 3.0, -0.25])
-    x = torch.cat([special, torch.randn(54) * 3]).reshape(64, 1)
-    for c in (1.3, -0.7, 10.0, 9.0, -11.0, 7.5, math.inf, -math.inf, 0.0, math.nan):
+    bases with odd and fractional exponents, signed zeros, infinities, NaN, (-1) ** inf; scalar
+    bases and exponents; forward and gradient (0 at a zero base, as torch's)."""
+    special = torch.tensor([0.0, -0.0, 1.0, -1.0, math.inf, -math.inf, math.nan, -2.0, 0.5, 3.0, -0.25])
+    x = torch.cat([special, torch.randn(53) * 3]).reshape(64, 1)
+    for c in (1.3, -0.7, 10.0, 9.0, -11.0, 7.5, -2.5, math.inf, -math.inf, 0.0, math.nan):
         got = nf.compile(nf.program(lambda x: (x ** c).sum(axis=-1)))(x)
         torch.testing.assert_close(got.double(), (x.double() ** c).sum(-1), rtol=1e-4, atol=1e-5, equal_nan=True)
     exponents = torch.tensor([math.nan, math.inf, -math.inf, 0.0, 0.5, -0.5, 3.0, -3.0, 2.5])
@@ -231,6 +231,18 @@ def test_any_power_compiles_as_torch_pow_computes_it():
     got = nf.compile(nf.program(lambda x, y: (x ** y).sum(axis=-1)))(base, exponent)
     torch.testing.assert_close(got.double(), (base.double() ** exponent.double()).sum(-1), rtol=1e-5, atol=1e-6,
                                equal_nan=True)
+    # a scalar exponent (a parameter), a scalar base, a column of exponents with its gradient
+    z = torch.randn(8, 32)
+    mean = nf.compile(nf.program(lambda x, p: ((nf.abs_(x) ** p).mean(axis=-1)) ** (1 / p)))(z, 3.0)
+    torch.testing.assert_close(mean, (z.abs() ** 3).mean(-1) ** (1 / 3), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(nf.compile(nf.program(lambda x: (2.0 ** x).sum(axis=-1)))(z), (2.0 ** z).sum(-1))
+    base = torch.cat([torch.zeros(8, 1), torch.rand(8, 31) + 0.1], 1).requires_grad_()
+    column = torch.cat([torch.tensor([[0.0], [1.5]]), torch.rand(6, 1) * 2 + 1]).requires_grad_()
+    got = torch.autograd.grad(nf.compile(nf.program(lambda x, y: (x ** y).max(axis=-1)))(base, column).sum(),
+                              [base, column])
+    want = torch.autograd.grad((base ** column).amax(-1).sum(), [base, column])
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
     y = torch.randn(6, 40)
     yg = y.clone().requires_grad_()
     out = nf.compile(nf.program(lambda y: (nf.abs_(y) ** 1.3).sum(axis=-1)))(yg)

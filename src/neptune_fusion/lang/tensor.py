@@ -127,6 +127,9 @@ class SymTensor:
     def __pow__(self, o: TensorLike) -> SymTensor:
         return binary("pow", self, o)
 
+    def __rpow__(self, o: TensorLike) -> SymTensor:
+        return binary("pow", o, self)
+
     def __neg__(self) -> SymTensor:
         return unary("neg", self)
 

@@ -446,6 +446,12 @@ class KernelBuilder:
             return self.op("binary", self.union(a, b), "bool", (a, b), scope=scope, op=op)
         if op in ("and", "or"):
             dt = "bool" if a.dtype == b.dtype == "bool" else "i32"
+            if dt == "bool" and bool(a.axes) != bool(b.axes):
+                # a scalar condition selects: Triton's interpreter cannot `&` a tile with a
+                # comparison of a loaded scalar (the compiled kernel computes the same)
+                s, tile = (a, b) if not a.axes else (b, a)
+                pick = (tile, self.const(False)) if op == "and" else (self.const(True), tile)
+                return self.op("where", tile.axes, "bool", (s, *pick), scope=scope)
             return self.op("binary", self.union(a, b), dt, (self.to(a, dt, scope), self.to(b, dt, scope)), scope=scope, op=op)
         a, b = self._promote(a, b, scope)
         if op == "div" and a.dtype not in FLOAT_DTYPES:
@@ -563,6 +569,8 @@ class KernelBuilder:
         out = self.bin("div", self.const(1.0), out) if c < 0 else out
         if half and whole:  # torch takes |a| ** c at -inf, except for c = +-0.5 (its sqrt)
             out = self._where(self.bin("eq", base, self.const(-math.inf)), self.const(math.inf if c > 0 else 0.0), out)
+        if half and whole and c < 0:  # and at -0.0 (1 / (0 * -0.0) would be -inf)
+            out = self._where(self.bin("eq", base, self.const(0.0)), self.const(math.inf), out)
         return out
 
     def _general_power(self, expr: Binary, ctx: _Ctx) -> TVal:
@@ -581,15 +589,26 @@ class KernelBuilder:
             flags = (math.isinf(c), c.is_integer() or math.isinf(c), c.is_integer() and c % 2 == 1)
             infinite_b, integer_b, odd_b = (self.const(f) for f in flags)
         else:
+            # integer and odd through a conversion to int32: from 2^24 on every float is an even
+            # integer, and so is inf. A scalar base or exponent is broadcast to the other's tile first:
+            # Triton's interpreter mistypes comparisons of converted scalars
             b = self.to(self.emit(expr.b, ctx), "f32")
+            axes = self.union(a, b)
+            if {len(a.axes), len(b.axes)} != {len(axes)}:
+                zeros = self.op("full", axes, "f32", value=0.0)
+                a, b = (x if len(x.axes) == len(axes) else self.bin("add", x, zeros) for x in (a, b))
             infinite_b = self.bin("eq", self._unary_f32("abs", b), self.const(math.inf))
-            integer_b = self.bin("or", self.bin("eq", self.bin("mod", b, self.const(1.0)), self.const(0.0)), infinite_b)
-            odd_b = self.bin("and", self.bin("eq", self.bin("mod", b, self.const(2.0)), self.const(1.0)),
-                             self._not(infinite_b))
+            large = self.bin("ge", self._unary_f32("abs", b), self.const(float(2 ** 24)))
+            whole = self.to(self.to(b, "i32"), "f32")
+            integer_b = self.bin("or", large, self.bin("eq", whole, b))
+            odd_b = self._and(self._and(self._not(large), self.bin("eq", whole, b)),
+                              self.bin("eq", self.bin("and", self.to(b, "i32"), self.const(1)), self.const(1)))
         out = self._unary_f32("exp2", self.bin("mul", b, self._unary_f32("log2", self._unary_f32("abs", a))))
+        # an odd power keeps the sign of -0.0 too ((-0.0) ** -3 is -inf); a fractional one of -0.0 is 0
         negative = self.bin("lt", a, self.const(0.0))
+        signed = self.bin("or", negative, self.bin("lt", self.bin("div", self.const(1.0), a), self.const(0.0)))
         if not (isinstance(expr.b, Const) and not flags[2]):
-            out = self._where(self._and(negative, odd_b), self.op("unary", out.axes, "f32", (out,), op="neg"), out)
+            out = self._where(self._and(signed, odd_b), self.op("unary", out.axes, "f32", (out,), op="neg"), out)
         if not (isinstance(expr.b, Const) and flags[1]):
             undefined = self._and(self._and(negative, self._not(integer_b)), self.bin("ne", a, self.const(-math.inf)))
             out = self._where(undefined, self.const(math.nan), out)
@@ -1326,7 +1345,7 @@ class KernelBuilder:
                 extra = [a for a in stage.axes if a == self.roles.col or a in self.roles.epilogue]
                 if len(extra) > 1:
                     raise UnsupportedProgramError("tile lowering", stage.name, "output",
-                                                  f"an output with two axes {extra} beyond the reduction is not supported")
+                                                  f"an output with {len(extra)} axes {extra} beyond the reduction (at most one) is not supported")
                 if extra:
                     passes.setdefault(extra[0], []).append(stage)
                     continue

@@ -120,8 +120,16 @@ def _binary(node: Binary, d) -> Expr | None:  # noqa: ANN001
         da, db = d(a), d(b)
         return _add(None if da is None else da / b, _scale(-(node / b), db))
     if op == "pow":
+        # as torch's pow backward: no gradient to the base where the exponent is 0, none to the
+        # exponent at a zero base with a nonnegative exponent (log 0 * 0 ** b is NaN or -inf there)
         da, db = d(a), d(b)
-        return _add(_scale(b * Binary("pow", a, b - _ONE), da), _scale(Unary("log", a) * node, db))
+        base = b * Binary("pow", a, b - _ONE)
+        if not isinstance(b, Const):
+            base = Where(Binary("eq", b, _ZERO), _ZERO, base)
+        if isinstance(b, Const) and b.value == 0:
+            da = None
+        exponent = Where(Binary("and", Binary("eq", a, _ZERO), Binary("ge", b, _ZERO)), _ZERO, Unary("log", a) * node)
+        return _add(_scale(base, da), _scale(exponent, db))
     if op in ("max", "min"):
         # torch's maximum/minimum: the larger (smaller) side takes the gradient, a tie shares it
         da, db = d(a), d(b)
