@@ -225,6 +225,23 @@ def test_training_inside_torch_compile_with_automatic_dynamic_shapes(randn):
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
+
+def test_a_compiled_program_traces_once_for_all_lengths_under_dynamic_shapes(randn):
+    """`dynamic=True`: an `nf.compile`d program's op keeps the sizes symbolic (its fake
+    implementation traced the program at concrete sizes, a guard on each: a recompile per length)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    pool = nf.compile(nf.program(lambda x, w: nf.einsum("ij,jk->ik", nf.exp(x - x.max(axis=-1, keepdims=True)), w)))
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(lambda x, w: pool(x, w) * 2.0, backend=counter, fullgraph=True, dynamic=True)
+    with torch.no_grad():
+        for n in (20, 33, 48, 7):
+            x, w = randn(n, 16), randn(16, 8)
+            want = torch.exp(x - x.amax(-1, keepdim=True)) @ w * 2.0
+            torch.testing.assert_close(compiled(x, w), want, atol=1e-5, rtol=1e-4)
+    assert counter.frame_count == 1
+
 @pytest.mark.parametrize("lq", [1, 7, 40])
 def test_attend_describes_model_masks_by_value(attn_inputs, lq):
     q, k, v = attn_inputs(2, H, lq, 40, 16)

@@ -529,12 +529,22 @@ WITH_GRAD: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any] | None = None
 
 
 def output_specs(fn: Compiled, named: dict[str, Any]) -> list[tuple[list[int], torch.dtype]]:
-    """Shapes and dtypes of what `fn(**named)` returns, from the traced program (no kernel runs)."""
-    program = fn.program_def.trace(**named)
+    """Shapes and dtypes of what `fn(**named)` returns, from the traced program (no kernel runs).
+    Symbolic sizes (torch.compile's dynamic shapes) stay symbolic: the program is traced at their
+    example values, without a guard on them, and the shapes are read off the arguments."""
+    program = fn.program_def.trace(**{n: _at_hints(v) for n, v in named.items()})
     sizes = axis_extents(program, named)
     out_dtype = fn.program_def.output_dtype(program, named)
     return [([sizes[d] if d else 1 for d in (spec.view or spec.dims)],
              _declared_dtype(program.stage(spec.stage).body, out_dtype)) for spec in program.outputs]
+
+
+def _at_hints(value: Any) -> Any:
+    """A tensor with symbolic sizes as a meta tensor of their example values; anything else as is."""
+    if not isinstance(value, torch.Tensor) or all(isinstance(d, int) for d in value.shape):
+        return value
+    shape = [d if isinstance(d, int) else d.node.hint for d in value.shape]
+    return torch.empty(shape, dtype=value.dtype, device="meta")
 
 
 class Compiled:

@@ -72,7 +72,7 @@ def axis_extents(program: Program, args: Mapping[str, Any]) -> dict[str, int]:
         for pos, axis in enumerate(buf.dims):
             if axis is None:
                 continue
-            size = int(t.shape[pos])
+            size = t.shape[pos]  # (an int; under torch.compile's dynamic shapes a symbol, kept unguarded)
             if axis in sizes and sizes[axis] != size:
                 src, dim = program.axis_sizes.get(axis, ("?", 0))
                 raise ValueError(
@@ -82,7 +82,7 @@ def axis_extents(program: Program, args: Mapping[str, Any]) -> dict[str, int]:
             sizes[axis] = size
     for axis, (buffer, dim) in program.axis_sizes.items():
         if axis not in sizes and buffer in args:  # an axis of an input's size that indexes no input (x @ x.T's)
-            sizes[axis] = int(args[buffer].shape[dim])
+            sizes[axis] = args[buffer].shape[dim]
     for axis, (op, a, b) in program.derived_axes.items():
         # derived axes come from layout transforms: ("div", axis, n), ("mul", axis, axis), ("const", n, _)
         if op == "div":
