@@ -136,7 +136,7 @@ def descriptor_hazards(program: Program, num_warps: int) -> frozenset[str]:
     operands of a sum whose other operand is computed in registers (`exp(x) * g` against `w`) and
     whose accumulator no repair rescales, in a kernel of more than one warpgroup. Triton 3.6 keeps
     such a dot's wgmma in flight across iterations, and with its copy-engine operand and two
-    warpgroups it wrote garbage (NaN) into most rows on the H200 (bench/NOTES.md, run 54); pointer
+    warpgroups it wrote garbage (NaN) into most rows on the H200 (bench/NOTES.md); pointer
     loads, one warpgroup or a rescaled accumulator (attention's P @ V) were correct.
 
     Example:
@@ -586,9 +586,11 @@ class KernelBuilder:
             if math.isnan(c):
                 return self._where(self.bin("eq", a, self.const(1.0)), self.const(1.0), self.const(math.nan))
             b = self.const(c)
-            flags = (math.isinf(c), c.is_integer() or math.isinf(c), c.is_integer() and c % 2 == 1)
-            infinite_b, integer_b, odd_b = (self.const(f) for f in flags)
+            known: tuple[bool, bool, bool] | None = (math.isinf(c), c.is_integer() or math.isinf(c),
+                                                     c.is_integer() and c % 2 == 1)  # infinite, integer, odd
+            infinite_b, integer_b, odd_b = (self.const(f) for f in known)
         else:
+            known = None
             # integer and odd through a conversion to int32: from 2^24 on every float is an even
             # integer, and so is inf. A scalar base or exponent is broadcast to the other's tile first:
             # Triton's interpreter mistypes comparisons of converted scalars
@@ -601,26 +603,24 @@ class KernelBuilder:
             large = self.bin("ge", self._unary_f32("abs", b), self.const(float(2 ** 24)))
             whole = self.to(self.to(b, "i32"), "f32")
             integer_b = self.bin("or", large, self.bin("eq", whole, b))
-            odd_b = self._and(self._and(self._not(large), self.bin("eq", whole, b)),
-                              self.bin("eq", self.bin("and", self.to(b, "i32"), self.const(1)), self.const(1)))
+            odd_b = self.bin("and", self.bin("and", self._not(large), self.bin("eq", whole, b)),
+                             self.bin("eq", self.bin("and", self.to(b, "i32"), self.const(1)), self.const(1)))
         out = self._unary_f32("exp2", self.bin("mul", b, self._unary_f32("log2", self._unary_f32("abs", a))))
         # an odd power keeps the sign of -0.0 too ((-0.0) ** -3 is -inf); a fractional one of -0.0 is 0
         negative = self.bin("lt", a, self.const(0.0))
         signed = self.bin("or", negative, self.bin("lt", self.bin("div", self.const(1.0), a), self.const(0.0)))
-        if not (isinstance(expr.b, Const) and not flags[2]):
-            out = self._where(self._and(signed, odd_b), self.op("unary", out.axes, "f32", (out,), op="neg"), out)
-        if not (isinstance(expr.b, Const) and flags[1]):
-            undefined = self._and(self._and(negative, self._not(integer_b)), self.bin("ne", a, self.const(-math.inf)))
+        if known is None or known[2]:
+            out = self._where(self.bin("and", signed, odd_b), self.op("unary", out.axes, "f32", (out,), op="neg"), out)
+        if known is None or not known[1]:
+            fractional = self.bin("and", negative, self._not(integer_b))
+            undefined = self.bin("and", fractional, self.bin("ne", a, self.const(-math.inf)))
             out = self._where(undefined, self.const(math.nan), out)
         one = self.bin("eq", a, self.const(1.0))
-        if not (isinstance(expr.b, Const) and not flags[0]):
-            one = self.bin("or", one, self._and(self.bin("eq", a, self.const(-1.0)), infinite_b))
-        if not isinstance(expr.b, Const):
+        if known is None or known[0]:
+            one = self.bin("or", one, self.bin("and", self.bin("eq", a, self.const(-1.0)), infinite_b))
+        if known is None:
             one = self.bin("or", one, self.bin("eq", b, self.const(0.0)))
         return self._where(one, self.const(1.0), out)
-
-    def _and(self, a: TVal, b: TVal) -> TVal:
-        return self.bin("and", a, b)
 
     def _not(self, x: TVal) -> TVal:
         return self.op("unary", x.axes, "bool", (self.to(x, "bool"),), op="not")
