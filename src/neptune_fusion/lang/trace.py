@@ -261,10 +261,10 @@ class ProgramDef:
 
         Example:
             >>> import torch
-            >>> from neptune_fusion.library import softmax
-            >>> x, w = torch.randn(2, 3, dtype=torch.float16), torch.randn(3)
-            >>> ProgramDef(lambda x, w: x * w).output_dtype(softmax.trace(x), {"x": x})
-            torch.float16
+            >>> add = ProgramDef(lambda a, b: (a + b).sum(axis=-1))
+            >>> a, b = torch.randn(2, 3, dtype=torch.float16), torch.randn(2, 3)
+            >>> add.output_dtype(add.trace(a, b), {"a": a, "b": b})
+            torch.float32
         """
         import torch
 
