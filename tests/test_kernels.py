@@ -85,7 +85,7 @@ def test_causal_attention_with_explicit_blocks(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_per_head_position_bias(dtype):
     q, k, v = _qkv(1, 4, 50, 70, 16, dtype)
-    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=dtype)  # (fp32 slopes would promote the output)
     out = nf.compile(biased_attention)(q, k, v, slopes, scale=0.25)
     rel = (torch.arange(70)[None, :] - torch.arange(50)[:, None]).double()
     bias = slopes.double()[None, :, None, None] * rel

@@ -133,8 +133,9 @@ class LoweringConfig:
 
 def descriptor_hazards(program: Program, num_warps: int) -> frozenset[str]:
     """Inputs a fused program must read through pointers, not tensor descriptors: the plain
-    operands of a sum whose other operand is computed in registers (`exp(x) * g` against `w`) and
-    whose accumulator no repair rescales, in a kernel of more than one warpgroup. Triton 3.6 keeps
+    operands of a sum whose other operand is computed in registers from loads alone (`exp(x) * g`
+    against `w`: no dot of its own) and whose accumulator no repair rescales, in a kernel of more
+    than one warpgroup. Triton 3.6 keeps
     such a dot's wgmma in flight across iterations, and with its copy-engine operand and two
     warpgroups it wrote garbage (NaN) into most rows on the H200 (bench/NOTES.md); pointer
     loads, one warpgroup or a rescaled accumulator (attention's P @ V) were correct.
@@ -151,20 +152,34 @@ def descriptor_hazards(program: Program, num_warps: int) -> frozenset[str]:
         return frozenset()
     inputs = {b.name for b in program.inputs}
     repaired: set[Expr] = set()
+    stages: dict[str, Expr] = {}
     for node in program.stages:
         if isinstance(node, FusedLoop):
             repaired |= {m.body for m in node.members if node.producers.get(m.name)}
-    bodies = [n.body for n in program.stages if isinstance(n, Stage)]
-    bodies += [m.body for n in program.stages if isinstance(n, FusedLoop) for m in n.members]
+            stages.update((m.name, m.body) for m in node.members)
+        else:
+            stages[node.name] = node.body
+
+    def needs_a_dot(expr: Expr, seen: frozenset[str] = frozenset()) -> bool:
+        # an operand made from another reduction of the same iteration (a backward's P from S): the
+        # loop waits for that dot every iteration, and the accumulating one is not kept in flight
+        for n in walk(expr):
+            if isinstance(n, Reduce):
+                return True
+            if isinstance(n, Load) and n.buffer in stages and n.buffer not in seen:
+                if needs_a_dot(stages[n.buffer], seen | {n.buffer}):
+                    return True
+        return False
+
     found: set[str] = set()
-    for body in bodies:
+    for body in stages.values():
         for node in walk(body):
             if not (isinstance(node, Reduce) and node.op == "sum") or node in repaired:
                 continue
             factors = _product_factors(node.body)
             plain = [f for f in factors if _plain_input_load(f, inputs) is not None]
             computed = [f for f in factors if f not in plain and node.axis in free_axes(f)]
-            if computed:
+            if computed and not any(needs_a_dot(f) for f in computed):
                 found |= {_plain_input_load(f, inputs) for f in plain} - {None}
     return frozenset(found)
 
