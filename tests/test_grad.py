@@ -656,11 +656,14 @@ def test_a_backward_kernel_reading_no_input_along_an_axis_gets_its_length() -> N
     has whole (the length became a parameter of that kernel, which the backward did not pass:
     a KeyError at the forward call)."""
     g = torch.Generator().manual_seed(3)
+    def centred(axis: int) -> nf.ProgramDef:
+        return nf.program(lambda x: x - x.mean(axis, keepdims=True))
+
     for axis in (-1, 0):
         x = torch.randn(27, 5, generator=g)
         weights = torch.randn(27, 5, generator=g)
         xg = x.clone().requires_grad_()
-        (nf.compile(nf.program(lambda x: x - x.mean(axis, keepdims=True)))(xg) * weights).sum().backward()
+        (nf.compile(centred(axis))(xg) * weights).sum().backward()
         x64 = x.double().requires_grad_()
         ((x64 - x64.mean(axis, keepdim=True)) * weights.double()).sum().backward()
         torch.testing.assert_close(xg.grad.double(), x64.grad, atol=1e-5, rtol=1e-5)
