@@ -635,15 +635,11 @@ class Compiled:
                 plan = replace(plan, block_col=128)
         _check_offsets(fused, roles, args)
         all_tma = _tma_buffers(program, args, device, options)
-        chosen_warps = not given_plan and getattr(self.schedule, "num_warps", None) is None
-        if chosen_warps and descriptor_hazards(fused, plan.num_warps) & all_tma:
-            # one warpgroup (64 rows at 4 warps) keeps the copy-engine reads such a dot loses at 8 warps
-            plan = replace(plan, num_warps=4, block_row=min(plan.block_row, 64))
         # how the axes the tile cannot hold whole are walked: across the grid or by inner loops
         tiling = choose_tiling(fused, full_sizes, plan.block_row, plan.block_col,
                                4 if main_dtype == "f32" else 2, plan.num_stages, plan.num_warps)
         check_fits(tiling, fused, plan.block_row, plan.num_warps)
-        tma = all_tma - descriptor_hazards(fused, plan.num_warps)  # Gluon's kernels order their own copies
+        tma = all_tma - descriptor_hazards(fused)  # Gluon's kernels order their own copies
         if use_block_map or (plan.splits > 1 and not tiling.loops):
             # tiles at run-time coordinates (from the block map) and split-K's memory-bound single
             # reads of each key tile load faster through pointers: a descriptor costs more to set up

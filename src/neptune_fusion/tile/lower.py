@@ -131,25 +131,23 @@ class LoweringConfig:
     notes: list[str] = field(default_factory=list)
 
 
-def descriptor_hazards(program: Program, num_warps: int) -> frozenset[str]:
+def descriptor_hazards(program: Program) -> frozenset[str]:
     """Inputs a fused program must read through pointers, not tensor descriptors: the plain
     operands of a sum whose other operand is computed in registers from loads alone (`exp(x) * g`
-    against `w`: no dot of its own) and whose accumulator no repair rescales, in a kernel of more
-    than one warpgroup. Triton 3.6 keeps
-    such a dot's wgmma in flight across iterations, and with its copy-engine operand and two
-    warpgroups it wrote garbage (NaN) into most rows on the H200 (bench/NOTES.md); pointer
-    loads, one warpgroup or a rescaled accumulator (attention's P @ V) were correct.
+    against `w`: no dot of its own) and whose accumulator no repair rescales. Triton 3.6 keeps
+    such a dot's wgmma in flight across iterations, and with its copy-engine operand it wrote
+    garbage (NaN) into rows on the H200, at 8 warps and at 4 (bench/NOTES.md); pointer loads were
+    correct, and so were attention's P @ V (a rescaled accumulator) and a backward's P^T @ dO (P
+    made from the iteration's own dot: the loop waits on it every iteration).
 
     Example:
         >>> import torch, neptune_fusion as nf
         >>> from neptune_fusion.schedule.pipeline import fuse
         >>> p = nf.program(lambda x, g, w: nf.einsum("ik,ke->ie", nf.exp(x) * g, w))
         >>> fused = list(fuse(p.trace(torch.randn(64, 32), torch.randn(32), torch.randn(32, 16))))[-1].program
-        >>> sorted(descriptor_hazards(fused, 8)), sorted(descriptor_hazards(fused, 4))
-        (['g', 'w'], [])
+        >>> sorted(descriptor_hazards(fused))
+        ['g', 'w']
     """
-    if num_warps <= 4:
-        return frozenset()
     inputs = {b.name for b in program.inputs}
     repaired: set[Expr] = set()
     stages: dict[str, Expr] = {}
