@@ -544,6 +544,8 @@ def _at_hints(value: Any) -> Any:
     if not isinstance(value, torch.Tensor) or all(isinstance(d, int) for d in value.shape):
         return value
     shape = [d if isinstance(d, int) else d.node.hint for d in value.shape]
+    if any(d is None for d in shape):  # a size without an example value (data-dependent): as it is
+        return value
     return torch.empty(shape, dtype=value.dtype, device="meta")
 
 
