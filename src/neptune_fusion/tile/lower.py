@@ -780,11 +780,6 @@ class KernelBuilder:
         return scalar, tile, mask_axes
 
     # --- reductions ---------------------------------------------------------------
-    def _factors(self, expr: Expr) -> list[Expr]:
-        if isinstance(expr, Binary) and expr.op == "mul":
-            return self._factors(expr.a) + self._factors(expr.b)
-        return [expr]
-
     def _positive_factor(self, expr: Expr) -> tuple[Expr, Expr] | None:
         """(x, p) if expr is x * p (or where(c, x * p, +-inf)) with p a parameter known positive."""
         if isinstance(expr, Binary) and expr.op == "mul":
@@ -802,7 +797,7 @@ class KernelBuilder:
         """(A, B) operands if `expr` is sum over a tile axis of a product that maps to a dot."""
         if expr.op != "sum" or expr.axis not in self.roles.tile_axes:
             return None
-        factors = self._factors(expr.body)
+        factors = _product_factors(expr.body)
         if len(factors) < 2:
             return None
         vals = [self.emit(f, ctx) for f in factors]
