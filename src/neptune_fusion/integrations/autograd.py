@@ -30,7 +30,7 @@ from neptune_fusion.ir.errors import FusionError
 from neptune_fusion.ir.program import Program
 from neptune_fusion.lang.trace import FixedProgram
 from neptune_fusion.runtime import compiled as _compiled
-from neptune_fusion.runtime.compiled import Compiled, install_allocator, output_specs
+from neptune_fusion.runtime.compiled import Compiled, install_allocator, length_params_of, lengths_of, output_specs
 from neptune_fusion.runtime.reference import axis_extents, run_reference
 from neptune_fusion.runtime.state import in_cudagraph_tree, object_of, private_state, static_shape
 from neptune_fusion.schedule.materialise import (
@@ -44,7 +44,7 @@ from neptune_fusion.schedule.materialise import (
     chunk_length,
     materialise,
 )
-from neptune_fusion.schedule.partition import Group, length_axes, partition_loops
+from neptune_fusion.schedule.partition import Group, partition_loops
 from neptune_fusion.schedule.templates import Auto
 from neptune_fusion.transform.grad import Gradient, differentiate, grad_name
 
@@ -249,13 +249,10 @@ class Kernels:
             self.steps.append((group, Compiled(FixedProgram(sub), Auto(), allow_fallback) if chain_axis(sub)
                                else Unfused(sub)))
         # lengths of axes a kernel reads none of its inputs along, passed to it as parameters
-        self.length_params = {p: a for group, _ in self.steps for p, a in length_axes(group.program, program).items()}
+        self.length_params = length_params_of(program, [group.program for group, _ in self.steps])
 
     def _with_lengths(self, named: dict[str, Any]) -> dict[str, Any]:
-        if not self.length_params:
-            return named
-        extents = axis_extents(self.program, named)
-        return {**named, **{p: extents[a] for p, a in self.length_params.items()}}
+        return {**named, **lengths_of(self.program, self.length_params, named)} if self.length_params else named
 
     def prepare(self, **named: Any) -> None:
         """Plan and compile every kernel for arguments like `named` without running any, so a

@@ -790,7 +790,7 @@ class Compiled:
         if key in self._cache:
             return self._cache[key]
         sizes = axis_extents(program, args)
-        env = {**args, **_lengths(program, _length_params(program, [g.program for g in groups]), args)}
+        env = {**args, **lengths_of(program, length_params_of(program, [g.program for g in groups]), args)}
         parts: list[tuple[Group, Executable]] = []
         steps: list[Step] = []
         for k, group in enumerate(groups):
@@ -860,8 +860,8 @@ class Compiled:
         env = dict(example)
         sizes = axis_extents(program, example)
         device = example[program.inputs[0].name].device
-        length_params = _length_params(program, [g.program for g, _ in exe.groups])
-        env.update(_lengths(program, length_params, example))
+        length_params = length_params_of(program, [g.program for g, _ in exe.groups])
+        env.update(lengths_of(program, length_params, example))
         runs = []
         for group, part in exe.groups:
             names = arg_names(group.program)
@@ -875,7 +875,7 @@ class Compiled:
         def run(values: list[Any]) -> Any:
             known = dict(zip(order, values))
             if length_params:
-                known.update(_lengths(program, length_params, known))
+                known.update(lengths_of(program, length_params, known))
             for names, launch, results in runs:
                 out = launch([known[n] for n in names])
                 known.update(zip(results, out if isinstance(out, tuple) else (out,)))
@@ -1120,14 +1120,29 @@ def _materialised(program: Program, group: Group, sizes: dict[str, int], device:
             for j, r in enumerate(group.results) if not r.startswith("output:")}
 
 
-def _length_params(program: Program, parts: list[Program]) -> dict[str, str]:
+def length_params_of(program: Program, parts: list[Program]) -> dict[str, str]:
     """The axes whose lengths `parts` (kernels of `program`) read as parameters, by parameter
-    (`partition.length_axes`: axes none of their inputs has)."""
+    (`partition.length_axes`: axes none of their inputs has).
+
+    Example:
+        >>> import torch
+        >>> from neptune_fusion.library import softmax
+        >>> length_params_of(softmax.trace(torch.zeros(2, 3)), [])
+        {}
+    """
     return {p: a for part in parts for p, a in length_axes(part, program).items()}
 
 
-def _lengths(program: Program, params: dict[str, str], values: dict[str, Any]) -> dict[str, int]:
-    """Those parameters' values for a call of `program` with `values`."""
+def lengths_of(program: Program, params: dict[str, str], values: dict[str, Any]) -> dict[str, int]:
+    """Those parameters' values for a call of `program` with `values`.
+
+    Example:
+        >>> import torch
+        >>> from neptune_fusion.library import softmax
+        >>> x = torch.zeros(2, 3)
+        >>> lengths_of(softmax.trace(x), {"size_of_a1": "a1"}, {"x": x})
+        {'size_of_a1': 3}
+    """
     if not params:
         return {}
     extents = axis_extents(program, values)
