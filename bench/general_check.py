@@ -19,10 +19,13 @@ import torch
 import neptune_fusion as nf
 from bench.common import environment, rel_err, write_results
 from neptune_fusion.library import (
+    layernorm,
     layernorm_matmul,
     linear_cross_entropy,
     linear_logsumexp,
+    rmsnorm,
     rmsnorm_matmul,
+    softmax,
     softmax_pooling,
 )
 
@@ -60,6 +63,11 @@ PROGRAMS: dict[str, tuple[Any, Callable[..., tuple[torch.Tensor, ...]], Callable
                          lambda h, w: torch.logsumexp(h @ w.T, -1)),
     "softmax_pooling": (softmax_pooling, lambda g, m, k, n: (g(m, k) * 2.0, g(m, k)),
                         lambda x, v: (torch.softmax(x, -1) * v).sum(-1)),
+    # rows written by a second pass: held whole (read once) up to 16384 columns, looped beyond
+    "softmax": (softmax, lambda g, m, k, n: (g(m, n * 3) * 3.0,), lambda x: torch.softmax(x, -1)),
+    "rmsnorm": (rmsnorm, lambda g, m, k, n: (g(m, n * 3), g(n * 3) + 1.0),
+                lambda x, w: _torch_norm(x, False) * w),
+    "layernorm": (layernorm, lambda g, m, k, n: (g(m, n * 3) * 2.0 + 1.0,), lambda x: _torch_norm(x, True)),
 }
 
 

@@ -27,7 +27,7 @@ from neptune_fusion.library import (  # noqa: E402
 from neptune_fusion.library import logsumexp as logsumexp_rows  # noqa: E402
 from neptune_fusion.library import softmax as softmax_1d  # noqa: E402
 from neptune_fusion.runtime.compiled import Compiled  # noqa: E402
-from neptune_fusion.schedule.auto import choose  # noqa: E402
+from neptune_fusion.schedule.auto import Plan, choose  # noqa: E402
 from neptune_fusion.schedule.partition import partition, why_apart  # noqa: E402
 from neptune_fusion.schedule.pipeline import fuse  # noqa: E402
 from neptune_fusion.schedule.templates import Auto  # noqa: E402
@@ -417,10 +417,19 @@ def test_streaming_plans_take_many_small_programs():
     assert few.splits > 1 and few.block_row == 16 and few.block_col == 128
     # 2048 rows: 128 programs of 16, split until about four share each multiprocessor
     assert choose(Auto(), rows=2048, dtype="f16", streams=True, **common).splits == 4
-    # a second pass over rows one wave can keep in L2 (132 x 16 rows of 4096 halves: 17 MB) takes
-    # wide tiles; rows of 8192 (35 MB a wave) come back from HBM and keep the streaming tile
-    assert choose(Auto(), rows=16384, dtype="f16", streams=True, rereads=True, **{**common, "cols": 4096}).block_col == 1024
-    assert choose(Auto(), rows=16384, dtype="f16", streams=True, rereads=True, **common).block_col == 128
+    # a second pass over each row: a row that fits 64 values a thread is held whole (read once):
+    # two rows of 4096 at 4 warps, one of 8192 at 4, one of 16384 at 8; a longer row keeps the
+    # streaming tile and reads its rows twice
+    def second_pass(cols: int) -> tuple[int, int, int, int]:
+        plan = choose(Auto(), rows=16384, dtype="f16", streams=True, rereads=True, **{**common, "cols": cols})
+        return plan.block_row, plan.block_col, plan.num_warps, plan.splits
+
+    assert second_pass(4096) == (2, 4096, 4, 1)
+    assert second_pass(3000) == (2, 4096, 4, 1)
+    assert second_pass(8192) == (1, 8192, 4, 1)
+    assert second_pass(16384) == (1, 16384, 8, 1)
+    assert second_pass(32768) == (16, 128, 4, 1)
+    assert second_pass(100) == (64, 128, 4, 1)  # short rows: many to a program
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -559,3 +568,112 @@ def test_a_reduction_over_an_empty_axis_is_a_clear_error(randn):
     before anything is compiled, naming the axis (it raised SymPy's `zoo` from the fusion)."""
     with pytest.raises(ValueError, match="reduction axis .* has length 0"):
         nf.compile(softmax_1d)(torch.randn(4, 0))
+
+
+
+@nf.program
+def rms_rows(x, g):
+    """RMSNorm with a weight: one row statistic, then a pass writing each row."""
+    return x / nf.sqrt((x * x).sum(axis=-1, keepdims=True) / x.shape[-1] + 1e-6) * g
+
+
+@nf.program
+def layernorm_rows(x):
+    mean = x.sum(axis=-1, keepdims=True) / x.shape[-1]
+    var = ((x - mean) * (x - mean)).sum(axis=-1, keepdims=True) / x.shape[-1]
+    return (x - mean) / nf.sqrt(var + 1e-5)
+
+
+@nf.program
+def banded_softmax_and_lse(x):
+    """Row i sees columns j < i - 2 (rows 0-2 see none), and two outputs: the probabilities and
+    the log-normaliser."""
+    s = nf.where(nf.index(x, -1) < nf.index(x, -2) - 2, x, -nf.inf)
+    m = s.max(axis=-1, keepdims=True)
+    e = nf.exp(s - m)
+    total = e.sum(axis=-1, keepdims=True)
+    return e / total, (m + nf.log(total))[..., 0]
+
+
+def _whole_loop(fn: Compiled) -> bool:
+    return next(iter(fn._cache.values())).record.whole_loop
+
+
+def _same_as_reference(prog, args: tuple, dtype: torch.dtype, schedule) -> tuple[Compiled, tuple]:
+    """`_check` where outputs may hold NaN or infinities: they must sit where the reference's do."""
+    fn = nf.compile(prog, schedule=schedule)
+    out = fn(*(a.to(dtype) for a in args))
+    ref = nf.run_reference(prog.trace(*args), dict(prog.bind(*args)))
+    outs, refs = (out, ref) if isinstance(out, tuple) else ((out,), (ref,))
+    for o, r in zip(outs, refs):
+        torch.testing.assert_close(o.float(), r.float(), rtol=TOL[dtype], atol=TOL[dtype], equal_nan=True)
+    return fn, outs
+
+
+ONE_TILE = nf.flash(block_q=16, block_k=64, num_warps=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("cols", [1, 13, 48, 64])
+def test_a_loop_held_in_one_tile_reads_its_row_once(cols, dtype, randn):
+    """A row no longer than the loop tile is computed without a loop, and its second pass reuses
+    the loop's loads (x is loaded once); 21 rows (not a multiple of the row tile), columns not a
+    multiple of 16, against the reference executor."""
+    x, g = randn(21, cols), randn(cols)
+    fn = _check(rms_rows, (x, g), dtype, schedule=ONE_TILE)
+    source = _kernels(fn)[0].source.split("def nf_rms_rows")[1]
+    assert _whole_loop(fn) and source.count("tl.load(x_ptr") == 1 and "for " not in source
+    assert _whole_loop(_check(layernorm_rows, (x,), dtype, schedule=ONE_TILE))
+    assert _whole_loop(_check(softmax_1d, (x,), dtype, schedule=ONE_TILE))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_loop_held_in_one_tile_keeps_nan_and_empty_rows(dtype, randn):
+    """In one tile as in a loop: a visible NaN makes its row NaN, a masked one does not; rows that
+    see no column give what the reference executor gives; the others are exact."""
+    x = randn(10, 40)
+    x[5, 1] = float("nan")  # visible (row 5 sees columns 0-2)
+    x[6, 20] = float("nan")  # masked
+    fn, (probs, lse) = _same_as_reference(banded_softmax_and_lse, (x,), dtype, ONE_TILE)
+    assert _whole_loop(fn)
+    assert torch.isnan(probs[5]).all() and torch.isfinite(probs[6]).all() and torch.isfinite(lse[3:5]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_row_longer_than_the_tile_keeps_its_loop(dtype, randn):
+    """One column more than the loop tile: the loop and its second pass stay (x loaded in both)."""
+    fn = _check(rms_rows, (randn(9, 65), randn(65)), dtype, schedule=ONE_TILE)
+    assert not _whole_loop(fn) and _kernels(fn)[0].source.count("tl.load(x_ptr") > 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_whole_rows_two_to_a_program(dtype, randn):
+    """The GPU's plan for long rows with a second pass (a few rows a program, the row whole) under
+    the interpreter: 2 rows of 64 columns a program over 7 rows, against the reference."""
+    x, g = randn(7, 50), randn(50)
+    fn = nf.compile(rms_rows)
+    named = dict(rms_rows.bind(x.to(dtype), g.to(dtype)))
+    run, used = fn._prepare(named, Plan(2, 64, 4, 1, 1))
+    out = run(list(named.values()))
+    ref = nf.run_reference(rms_rows.trace(x, g), dict(rms_rows.bind(x, g)))
+    assert used == Plan(2, 64, 4, 1, 1) and _whole_loop(fn)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=TOL[dtype], atol=TOL[dtype])
+
+
+@nf.program
+def attention_probabilities(q, k):
+    """softmax(q k^T) written out: a second pass whose scores are a contraction (rows share k)."""
+    s = nf.einsum("id,jd->ij", q, k) * 0.25
+    e = nf.exp(s - s.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_loop_held_in_one_tile_with_a_contraction(dtype, randn):
+    """The second pass of a row held whole recomputes nothing it can reuse: the scores' dot runs
+    once (one `tl.dot` in the source), 40 keys in one 64-wide tile; 80 keys loop and recompute it."""
+    q = randn(33, 16)
+    fn = _check(attention_probabilities, (q, randn(40, 16)), dtype, schedule=ONE_TILE)
+    assert _whole_loop(fn) and _kernels(fn)[0].source.count("tl.dot(") == 1
+    looped = _check(attention_probabilities, (q, randn(80, 16)), dtype, schedule=ONE_TILE)
+    assert not _whole_loop(looped) and _kernels(looped)[0].source.count("tl.dot(") > 1

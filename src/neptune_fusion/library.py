@@ -46,6 +46,20 @@ def logsumexp(x):
 
 
 @program
+def rmsnorm(x, g):
+    """RMSNorm over the last axis of `x`, with a weight `g`."""
+    return x / sqrt((x * x).sum(axis=-1, keepdims=True) / x.shape[-1] + 1e-6) * g
+
+
+@program
+def layernorm(x):
+    """LayerNorm (no affine) over the last axis of `x`."""
+    mean = x.sum(axis=-1, keepdims=True) / x.shape[-1]
+    var = ((x - mean) * (x - mean)).sum(axis=-1, keepdims=True) / x.shape[-1]
+    return (x - mean) / sqrt(var + 1e-5)
+
+
+@program
 def rmsnorm_matmul(x, w):
     """RMSNorm over the last axis of `x`, then `@ w`."""
     r = sqrt((x * x).sum(axis=-1, keepdims=True) / x.shape[-1] + 1e-6)

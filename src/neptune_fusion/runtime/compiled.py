@@ -153,6 +153,7 @@ class KernelPlan:
     dependent_launch: bool = False  # the split-K combine launches early and waits for the main kernel
     options: Options = Options()
     device: str = "cpu"
+    whole_loop: bool = False  # the loop axis fits one loop tile: no loop, a second pass reuses its loads
 
     def describe(self) -> str:
         """One line per decision (what `explain` prints)."""
@@ -625,8 +626,14 @@ class Compiled:
             tiles = grid_tiles(choose_tiling(fused, full_sizes, plan.block_row, plan.block_col), full_sizes)
             if tiles > 1:
                 plan = plan_for(tiles)
+        # a loop no longer than one tile, with a second pass over its axis, is computed without a
+        # loop, and the second pass reuses its loads (tile/lower.py `LoweringConfig.whole_loop`)
+        whole_loop = (roles.rereads and plan.splits == 1 and not plan.prefetch_dot and not use_block_map
+                      and sizes[roles.col] <= plan.block_col)
         if plan.splits > 1 or plan.prefetch_dot:
             gluon_reason = "split-K and software-pipelined plans run through Triton"
+        elif whole_loop:
+            gluon_reason = "a loop held in one tile runs through Triton"
         else:
             gluon_reason = _gluon_precondition(device, options)
         if not given_plan and gluon_reason is None:
@@ -664,7 +671,7 @@ class Compiled:
             options.grid_group)
         record = KernelPlan(plan, tiling, tuple(sorted(dtypes.items())), tuple(sorted(full_sizes.items())), layout,
                             tma, positive, combine_rows, prefetch_index, grid_group, dependent_launch,
-                            options, str(device))
+                            options, str(device), whole_loop)
         key = (program.fingerprint(), record)
         if key in self._cache:
             return self._cache[key]
@@ -685,7 +692,8 @@ class Compiled:
         config = LoweringConfig(dtypes, full_sizes, plan.block_row, plan.block_col, plan.num_warps,
                                 plan.num_stages, plan.splits, dot_dtype, partial_outputs=plan.splits > 1,
                                 block_map_axes=block_axes, tma_buffers=tma, positive_params=positive,
-                                grid_group=grid_group, tiling=tiling, tiled_descriptors=tiled_descriptors)
+                                grid_group=grid_group, tiling=tiling, tiled_descriptors=tiled_descriptors,
+                                whole_loop=whole_loop)
         target = "interpreter" if interpreter else "cuda"
         name = kernel_name(program.name)
         combine = None

@@ -29,6 +29,10 @@ SHARED_BYTES = 200 * 1024
 STREAM_THREAD_ELEMENTS = 16
 STREAM_ROWS = 16  # the fewest rows a tile is laid out with
 REREAD_WIDENING = 8  # how much wider a streaming loop's tiles are when a second pass rereads its rows from L2
+# a streaming loop with a second pass over its rows holds a row whole when it fits this many fp32
+# values a thread (at 4 warps, or 8 for longer rows): the row is read from memory once and the
+# second pass reuses it (tile/lower.py `LoweringConfig.whole_loop`)
+WHOLE_ROW_THREAD_VALUES = 64
 
 # a loop whose every tile runs an inner K-loop re-reads its rows' operand (too long to keep in the
 # program) for each loop tile; where one wave of programs re-reads more than L2 holds, those reads
@@ -118,7 +122,13 @@ def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: 
             tile = STREAM_THREAD_ELEMENTS * 32 * warps
             block_col = max(16, min(_pow2_at_least(cols), tile // (STREAM_ROWS * held_elems)))
             block_row = min(_pow2_at_least(rows), max(STREAM_ROWS, tile // (block_col * held_elems)))
-            if rereads and num_sms * block_row * cols * (4 if dtype == "f32" else 2) <= L2_BYTES // 2:
+            row_values = _pow2_at_least(cols) * held_elems
+            if rereads and row_values <= WHOLE_ROW_THREAD_VALUES * 32 * 8:
+                # the whole row in one tile: its second pass reads nothing again
+                warps = 4 if row_values <= WHOLE_ROW_THREAD_VALUES * 32 * 4 else 8
+                block_col = _pow2_at_least(cols)
+                block_row = min(_pow2_at_least(rows, 1), max(1, WHOLE_ROW_THREAD_VALUES * 32 * warps // row_values))
+            elif rereads and num_sms * block_row * cols * (4 if dtype == "f32" else 2) <= L2_BYTES // 2:
                 # a second pass re-reads each row: while a wave's rows fit in the near half of L2
                 # (each multiprocessor's partition) it reads them from there, and wider tiles walk
                 # both passes in fewer, longer iterations; longer rows come back from HBM either

@@ -128,6 +128,9 @@ class LoweringConfig:
     # block sizes of the full axes, and which are tiled across the grid or walked by inner loops
     # (schedule/tiles.py); None: chosen from the sizes by `choose_tiling`
     tiling: AxisTiling | None = None
+    # the loop axis is no longer than one loop tile (`block_col`): the loop's one tile is computed
+    # without a loop, and a second pass over that axis reuses what it loaded (a row read once)
+    whole_loop: bool = False
     notes: list[str] = field(default_factory=list)
 
 
@@ -390,6 +393,8 @@ class KernelBuilder:
         self.consts: dict[tuple[str, str], TVal] = {}
         self.descriptors: dict[tuple[object, ...], TVal] = {}
         self.tile_start: dict[str, TVal] = {}
+        # a loop held in one tile: its column offsets, their mask and its scope (`_emit_loop` inline)
+        self._whole_tile: tuple[TVal, TVal | None, _Scope] | None = None
         self.variant_axes = {self.roles.col, BLOCK_MAP_TILE}  # indices that change inside a loop
         self.member_names = {m.name for m in self.loop.members}
         self.producer_names = {p for ps in self.loop.producers.values() for p in ps}
@@ -959,7 +964,14 @@ class KernelBuilder:
         for axis in held:
             valid[axis] = self._full_valid(axis)
         state = self._init_state()
-        if cfg.block_map_axes is not None:
+        if cfg.whole_loop:
+            if cfg.block_map_axes is not None or cfg.splits > 1:
+                raise UnsupportedProgramError("tile lowering", self.program.name, f"loop over {roles.col}",
+                                              "a loop held in one tile has no block map and no split")
+            self.config.notes.append(f"loop over {roles.col} held in one tile of BLOCK_C (its length is at most "
+                                     f"{cfg.block_col}): no loop, and a second pass reuses its loads")
+            self._emit_loop(self.const(0), self.size(roles.col), True, state, valid, "", inline=True)
+        elif cfg.block_map_axes is not None:
             self._emit_block_map_loops(row_tile, state, valid)
         else:
             for start, stop, masked, comment in self._loop_segments(r0):
@@ -969,7 +981,8 @@ class KernelBuilder:
             grid.append(GridDim((GridFactor(self._splits().name),)))
         # neither the loop's length nor the split count (a run-time argument, not a constexpr) selects
         # a compiled kernel: a decode loop over a growing KV cache runs one kernel for every length
-        varying = (ArgSource("size", roles.col), ArgSource("size", SPLIT_AXIS))
+        varying = (ArgSource("size", SPLIT_AXIS),) if cfg.whole_loop else (
+            ArgSource("size", roles.col), ArgSource("size", SPLIT_AXIS))
         return TileKernel(self.name, self.args, roles.tile_axes, self.block, grid, self.body, cfg.num_warps,
                           cfg.num_stages, self.constexprs, list(cfg.notes),
                           do_not_specialize=[a.name for a in self.args if a.source in varying],
@@ -1220,14 +1233,17 @@ class KernelBuilder:
 
     def _emit_loop(self, start: TVal, stop: TVal, masked: bool, state: dict[str, TVal],
                    valid: dict[str, TVal | None], comment: str, var: TVal | None = None,
-                   start_of: Callable[[TVal], TVal] | None = None, exact: bool = False, step: str = "BLOCK_C") -> None:
+                   start_of: Callable[[TVal], TVal] | None = None, exact: bool = False, step: str = "BLOCK_C",
+                   inline: bool = False) -> None:
         """One loop over tiles of the loop axis. `start_of` maps the loop variable to the tile's first
-        index (default: the variable itself); `exact`: unmasked tiles are wholly visible, residual too."""
+        index (default: the variable itself); `exact`: unmasked tiles are wholly visible, residual too.
+        `inline`: the one tile at `start`, emitted without a loop; its bindings and loads stay for a
+        second pass over the loop axis (`_whole_tile`)."""
         roles = self.roles
         body: list[Stmt] = []
         scope = _Scope(body)
         self.scopes.append(scope)
-        var = var or TVal(self.fresh("start_"), (), "i32")
+        var = start if inline else (var or TVal(self.fresh("start_"), (), "i32"))
         first = start_of(var) if start_of is not None else var
         self.bindings[roles.col] = self.op("arange", (roles.col,), "i32", (first,), prefix="cols", block="BLOCK_C")
         self.tile_start[roles.col] = first
@@ -1282,9 +1298,13 @@ class KernelBuilder:
         for m in self.loop.members:
             body.append(Assign(state[m.name], new_state[m.name]))
         self.scopes.pop()
+        if inline:
+            self.body.extend(body)
+            self._whole_tile = (self.bindings[roles.col], inner_valid[roles.col], scope)
         del self.bindings[roles.col]
         del self.tile_start[roles.col]
-        self.body.append(Loop(var, start, stop, step, body, comment))
+        if not inline:
+            self.body.append(Loop(var, start, stop, step, body, comment))
 
     def _bind_accumulator(self, repair: Expr, name: str, value: TVal, ctx: _Ctx) -> Expr:
         """`repair` reading `value` where it names the accumulator. Each accumulator is a distinct
@@ -1370,6 +1390,9 @@ class KernelBuilder:
         if axis == self.roles.col and self.config.splits > 1:
             raise UnsupportedProgramError("tile lowering", stages[0].name, "output",
                                           "a split-K kernel writes partial states; its combine does the second pass")
+        if axis == self.roles.col and self.config.whole_loop:
+            self._emit_whole_tile_pass(stages, state, valid)
+            return
         block = self.block[axis]
         # whole tiles without the axis's mask, then the partial last tile with it: a mask that
         # varies along the contiguous axis (its length is not specialised) makes every load and
@@ -1394,6 +1417,33 @@ class KernelBuilder:
             self.scopes.pop()
             del self.bindings[axis]
             self.body.append(Loop(var, start, stop, block, body, comment))
+
+    def _emit_whole_tile_pass(self, stages: list[Stage], state: dict[str, TVal], valid: dict[str, TVal | None]) -> None:
+        """The second pass of a loop held in one tile (`LoweringConfig.whole_loop`): the outputs over
+        the same tile, reusing every value the loop computed that reads no loop member (its loads:
+        the row is read from memory once). Values that read a member are computed again from its
+        final value."""
+        assert self._whole_tile is not None, "the loop's one tile is emitted first"
+        cols, col_valid, loop_scope = self._whole_tile
+        col = self.roles.col
+        scope = _Scope(self.body)
+        scope.memo = {expr: value for expr, value in loop_scope.memo.items() if self._reads_no_member(expr)}
+        self.scopes.append(scope)
+        self.bindings[col] = cols
+        inner_valid = {**valid, col: col_valid}
+        ctx = _Ctx(dict(state), {}, inner_valid, {}, True)
+        try:
+            for stage in stages:
+                self._store(f"out_{stage.name}", stage.axes, self.emit(stage.body, ctx), inner_valid, variant=True)
+        finally:
+            self.scopes.pop()
+            del self.bindings[col]
+
+    def _reads_no_member(self, expr: Expr) -> bool:
+        """Whether `expr` means the same inside the loop and after it: it reads no loop member (a
+        running value there, the final one after) and no accumulator."""
+        return not (loads_of(expr) & self.member_names) and not any(
+            isinstance(n, (Accumulator, Running)) for n in walk(expr))
 
     def _splits(self) -> TVal:
         """The split count of a split-K kernel: a run-time argument (the launcher passes the plan's
