@@ -4,7 +4,7 @@ a multiple of any block (K-steps, grid tiles and loop tiles with ragged last til
 tensor descriptors where the strides allow), in fp16 and bf16, each against fp32 torch on random
 inputs. Cases whose rows are not 16-byte aligned read through pointers (the descriptor check).
 
-    python bench/general_check.py [--cases 40] [--seed 0]   (GPU machine; writes $OUT/general_check.json)
+    python bench/general_check.py [--cases 40] [--seed 0] [--backward]   (GPU machine; writes $OUT/general_check.json)
 """
 
 from __future__ import annotations
@@ -71,10 +71,26 @@ PROGRAMS: dict[str, tuple[Any, Callable[..., tuple[torch.Tensor, ...]], Callable
 }
 
 
+def _gradient_error(fn: Any, plain: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...],
+                    randn: Callable[..., torch.Tensor]) -> list[float]:
+    """Relative error of each input's gradient of `(out * r).sum()` (r random) against torch
+    autograd of the plain code on the inputs in fp32."""
+    leaves = [t.detach().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    weight = randn(*out.shape)
+    (out.float() * weight).sum().backward()
+    refs = [t.detach().float().requires_grad_() for t in inputs]
+    (plain(*refs).float() * weight).sum().backward()
+    return [rel_err(a.grad.float(), b.grad) for a, b in zip(leaves, refs)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--backward", action="store_true",
+                        help="also the gradients of every float input (a random weighting of the output), against "
+                             "torch autograd of the fp32 reference")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
@@ -114,6 +130,9 @@ def main() -> None:
             torch.cuda.synchronize()
             row["rel_err_vs_fp32"] = rel_err(out.float(), ref.float())
             row["ok"] = bool(torch.isfinite(out.float()).all()) and row["rel_err_vs_fp32"] < TOLERANCE[dtype]
+            if args.backward and name != "linear_cross_entropy":
+                row["grad_rel_err_vs_fp32"] = _gradient_error(fn, plain, inputs, randn)
+                row["ok"] = row["ok"] and max(row["grad_rel_err_vs_fp32"]) < TOLERANCE[dtype]
         except Exception as exc:  # noqa: BLE001 - a failure is the finding
             row["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
             row["ok"] = False

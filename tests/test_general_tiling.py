@@ -677,3 +677,21 @@ def test_a_loop_held_in_one_tile_with_a_contraction(dtype, randn):
     assert _whole_loop(fn) and _kernels(fn)[0].source.count("tl.dot(") == 1
     looped = _check(attention_probabilities, (q, randn(80, 16)), dtype, schedule=ONE_TILE)
     assert not _whole_loop(looped) and _kernels(looped)[0].source.count("tl.dot(") > 1
+
+
+@nf.program
+def shifted_matmul(x, w):
+    """(x / 2 + max|x| + 1) @ w: the basis expansion leaves `sum_k (x / 2 + 1) w`, a contraction
+    plus the column sums of w."""
+    return nf.einsum("ik,ke->ie", x * 0.5 + (nf.abs_(x).max(axis=-1, keepdims=True) + 1.0), w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_sum_of_a_contraction_and_another_term_is_reduced_term_by_term(dtype, randn):
+    """`sum_k (a[i,k] + b[k,e]) w[k,e]`-like sums reduce each term in its own tile: the GPU's
+    128-row plan with 200 output columns held whole compiles (the whole body's tile, 128 x 64 x 256,
+    is twice what Triton allows) and computes the reference's values."""
+    fn = _check(shifted_matmul, (randn(40, 100), randn(100, 200)), dtype,
+                schedule=nf.flash(block_q=128, block_k=64, num_warps=8))
+    source = _kernels(fn)[0].source
+    assert "tl.dot(" in source and "BLOCK_R, BLOCK_C, BLOCK_E" not in source

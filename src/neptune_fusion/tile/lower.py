@@ -191,6 +191,22 @@ def _product_factors(expr: Expr) -> list[Expr]:
     return [expr]
 
 
+def _sum_terms(expr: Expr) -> list[Expr]:
+    """The terms of `expr` read as a sum (`a - b` is `a + (-1) * b`): what a sum distributes over.
+
+    Example:
+        >>> from neptune_fusion.ir.expr import Load
+        >>> x, w = Load("x", ()), Load("w", ())
+        >>> len(_sum_terms(x * w + w - x))
+        3
+    """
+    if isinstance(expr, Binary) and expr.op == "add":
+        return _sum_terms(expr.a) + _sum_terms(expr.b)
+    if isinstance(expr, Binary) and expr.op == "sub":
+        return _sum_terms(expr.a) + [Binary("mul", Const(-1.0), t) for t in _sum_terms(expr.b)]
+    return [expr]
+
+
 def _plain_input_load(expr: Expr, inputs: set[str]) -> str | None:
     """The input `expr` reads as it is stored (possibly converted), or None."""
     while isinstance(expr, Cast):
@@ -867,6 +883,9 @@ class KernelBuilder:
         operands = self.contraction(expr, ctx)
         if operands is not None:
             return self.dot(operands[0], operands[1], expr.axis)
+        split = self._split_sum(expr, ctx) if expr.op == "sum" else None
+        if split is not None:
+            return split
         pulled = self._positive_factor(ctx.replace.get(expr.body, expr.body)) if expr.op in ("max", "min") else None
         if pulled is not None:
             # max_j(x * p) = max_j(x) * p for p > 0: one multiply per row instead of per element
@@ -890,6 +909,35 @@ class KernelBuilder:
             body = self.op("where", self.union(valid, body), "f32", (valid, body, ident))
         out_axes = tuple(a for a in body.axes if a != expr.axis)
         return self.op("reduce", out_axes, "f32", (body,), prefix="red", op=expr.op, axis=expr.axis)
+
+    def _split_sum(self, expr: Reduce, ctx: _Ctx, acc: TVal | None = None) -> TVal | None:
+        """A sum of terms of which some are contractions, reduced term by term (plus `acc`, an
+        accumulator the sum adds to): a reduction of its own tile for each other term, then a dot
+        for each contraction, accumulating onto the rest where it has the dot's shape
+        (`sum_k (x[i,k] + 1) w[k,e]` as the column sums of w and a dot), where reducing the whole
+        body would hold the axes of every term at once (rows x k x e); None where no term is a
+        contraction."""
+        terms = _sum_terms(expr.body)
+        if len(terms) < 2:
+            return None
+        operands = [self.contraction(Reduce("sum", expr.axis, t), ctx) for t in terms]
+        if all(o is None for o in operands):
+            return None
+        total = acc
+        for term, ops in zip(terms, operands):
+            if ops is None:
+                part = self.to(self.emit(Reduce("sum", expr.axis, term), ctx), "f32")  # shared with equal sums
+                total = part if total is None else self.bin("add", total, part)
+        for ops in operands:
+            if ops is None:
+                continue
+            out_axes = self._canon((set(ops[0].axes) | set(ops[1].axes)) - {expr.axis})
+            if total is not None and total.axes == out_axes:
+                total = self.dot(ops[0], ops[1], expr.axis, total)
+            else:
+                product = self.dot(ops[0], ops[1], expr.axis)
+                total = product if total is None else self.bin("add", total, product)
+        return total
 
     def _k_loop(self, expr: Reduce, ctx: _Ctx) -> TVal:
         """`expr` over an axis too long for one tile: an inner loop over its tiles, accumulating in
@@ -1280,8 +1328,11 @@ class KernelBuilder:
             # the repair before the operands: emitted right before its dot, it delays the dot in
             # masked loops (slower on the H200)
             operands = self.contraction(m.body, ctx) if m.reduce_op == "sum" else None
+            split = self._split_sum(m.body, ctx, acc) if m.reduce_op == "sum" and operands is None else None
             if operands is not None:
                 new = self.dot(operands[0], operands[1], roles.col, acc)
+            elif split is not None:
+                new = split
             else:
                 contribution = self.emit(m.body, ctx)
                 new = self.bin(m.reduce_op if m.reduce_op != "sum" else "add", acc, contribution)
