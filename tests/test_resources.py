@@ -49,11 +49,19 @@ CASES = [
 ]
 
 _OFFLINE = """
-import json, sys
-from bench.sweep import Case, backward_plans, benchmark_plans, check_case
+import json, sys, torch
+import neptune_fusion as nf
+from bench.sweep import Case, backward_plans, benchmark_plans, check_case, stand_in_h200
+from neptune_fusion.library import layernorm_matmul
 cases = [Case(**c) for c in json.loads(sys.argv[1])]
+# a training call whose backward's split-K combine contracts a gradient with a weight in fp32
+training = []
+x = torch.randn(2387, 1024, dtype=torch.bfloat16, requires_grad=True)
+w = torch.randn(1024, 296, dtype=torch.bfloat16, requires_grad=True)
+with stand_in_h200(training):
+    nf.compile(layernorm_matmul)(x, w).float().sum().backward()
 print(json.dumps({"cases": [check_case(c) for c in cases], "plans": benchmark_plans(),
-                  "backward": backward_plans()}))
+                  "backward": backward_plans(), "training": training}))
 """
 
 
@@ -151,6 +159,33 @@ def _attention_kernel(block_row: int, block_col: int, head: int, stages: int, wa
                       [Op(q, "load", (), {"buffer": "q"}), Op(acc, "full", (), {"value": 0.0}),
                        Loop(i32("j"), i32("lo"), i32("hi"), "BC", body)],
                       warps, stages, {"BR": block_row, "BC": block_col, "BD": head, "BE": head})
+
+
+def test_a_training_call_with_an_fp32_contraction_in_its_combine_fits(offline):
+    """LayerNorm -> matmul's backward (bf16, 2387 x 1024 @ 1024 x 296) splits a reduction; its
+    combine's second pass contracts the gradient with w in fp32, 512 held columns by an epilogue
+    tile: 266 KB of shared memory at 128-wide tiles, more than the H200 has. The combine narrows its
+    epilogue tiles until the estimate fits, and the estimate counts the operand in fp32."""
+    combines = [k for k in offline["training"] if k["kernel"].endswith("_combine")]
+    assert any("BLOCK_K" in k["blocks"] for k in combines)
+    for kernel in offline["training"]:
+        assert kernel["shared"] <= H200_SHARED_BYTES, kernel
+        assert kernel["estimate"] >= kernel["shared"], kernel
+
+
+def test_a_dot_operand_is_staged_in_the_dtype_the_dot_reads():
+    """A 16-bit tile cast to fp32 for an fp32 dot is staged at 4 bytes an element."""
+    i32 = lambda n: TVal(n, (), "i32")  # noqa: E731
+    g = TVal("g", ("r", "e"), "f32")
+    w16, w32 = TVal("w", ("e", "k"), "bf16"), TVal("w32", ("e", "k"), "f32")
+    out = TVal("o", ("r", "k"), "f32")
+    body = [Op(TVal("ks", ("k",), "i32"), "arange", (i32("j"),), {"block": "BK"}),
+            Op(w16, "load", (), {"buffer": "w"}), Op(w32, "cast", (w16,), {"to_dtype": "f32"}),
+            Op(out, "dot", (g, w32), {"k": "e"})]
+    kernel = TileKernel("combine", [], ("r", "k", "e"), {"r": "BR", "k": "BK", "e": "BE"}, [],
+                        [Op(g, "load", (), {"buffer": "g"}), Loop(i32("j"), i32("lo"), i32("hi"), "BK", body)],
+                        8, 1, {"BR": 16, "BK": 128, "BE": 512})
+    assert shared_memory_estimate(kernel) >= 512 * 128 * 4
 
 
 def test_wgmma_loops_keep_a_stage_more_than_mma_sync_loops():

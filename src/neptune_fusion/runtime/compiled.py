@@ -74,6 +74,7 @@ from neptune_fusion.tile.resources import (
     largest_tile,
     narrow_loops_first,
     plan_usage,
+    shared_memory_estimate,
 )
 from neptune_fusion.transform.layout import group_divisor, pack_groups
 
@@ -723,6 +724,13 @@ class Compiled:
             cconfig = LoweringConfig(cdtypes, cfull, block_rows, block_split, plan.num_warps, cstages, 1, "f32",
                                      block_epilogue=32 if interpreter else 128)
             ctile = lower(cfused, cconfig, f"{name}_combine")
+            # a second pass of the combine over an axis only outputs have (a gradient contracted
+            # with a weight: an fp32 dot per epilogue tile) takes narrower tiles until it fits the
+            # device's shared memory
+            while (not interpreter and cconfig.block_epilogue > 16
+                   and shared_memory_estimate(ctile) > _device_limits(device)[0]):
+                cconfig = replace(cconfig, block_epilogue=cconfig.block_epilogue // 2, notes=[])
+                ctile = lower(cfused, cconfig, f"{name}_combine")
             if dependent_launch:
                 ctile.grid_dependency = "dependent"
             csource = generate(ctile, target)

@@ -226,6 +226,21 @@ def footprint(kernel: TileKernel) -> Footprint:
     def loaded_operands(dot: Op) -> list[Op]:
         return [op for v in dot.args[:2] if is_load(op := source(v))]
 
+    # a loaded dot operand is staged in the dtype the dot reads it in: an fp16 tile cast to fp32 for
+    # an fp32 dot (a split-K combine's) takes twice its loaded bytes
+    operand_bytes: dict[int, int] = {}
+    for d in defs.values():
+        if d.kind == "dot":
+            for v in d.args[:2]:
+                op = source(v)
+                if is_load(op):
+                    assert op is not None
+                    widest = max(_BYTES.get(v.dtype, 4), _BYTES.get(op.out.dtype, 4), operand_bytes.get(id(op), 0))
+                    operand_bytes[id(op)] = widest
+
+    def operand(op: Op) -> Tile:
+        return tile(op.out, operand_bytes.get(id(op)))
+
     in_loops = [st for loop in _walk(kernel.body) if isinstance(loop, Loop) for st in _deep(loop.body)]
     loop_dots = [st for st in in_loops if isinstance(st, Op) and st.kind == "dot"]
     dot_operands = {id(op) for d in defs.values() if d.kind == "dot" for op in loaded_operands(d)}
@@ -254,7 +269,7 @@ def footprint(kernel: TileKernel) -> Footprint:
         nested = [st for st in body if isinstance(st, Loop)]
         copies = 1.5 if nested and not any(op.kind == "dot" for op in ops) else max(2, 1 + work_dots)
         return LoopUse(
-            tuple((tile(op.out), ahead) for op, ahead in loads if id(op) in dot_operands),
+            tuple((operand(op), ahead) for op, ahead in loads if id(op) in dot_operands),
             tuple((tile(op.out), ahead) for op, ahead in loads if id(op) not in dot_operands),
             tuple(dots),
             tuple(tile(op.out, 4) for op in ops if op.kind == "reduce" and op.out.axes),
@@ -265,7 +280,7 @@ def footprint(kernel: TileKernel) -> Footprint:
     top = [st for st in _walk(kernel.body) if isinstance(st, Op)]
     read_in_loops = {id(op) for d in loop_dots for op in loaded_operands(d)}
     resident = [op for op in top if is_load(op) and id(op) in read_in_loops]
-    staged = tuple(tuple(tile(op.out) for op in loaded_operands(d) if id(op) not in read_in_loops)
+    staged = tuple(tuple(operand(op) for op in loaded_operands(d) if id(op) not in read_in_loops)
                    for d in top if d.kind == "dot")
     # values are computed in fp32 and stored in the output's dtype, the inputs' own unless it is a
     # split-K partial state (fp32 scratch); Triton converts them to it before their layout
@@ -275,7 +290,7 @@ def footprint(kernel: TileKernel) -> Footprint:
                    for st in _deep(kernel.body) if isinstance(st, Store) and st.value.axes)
     loops = tuple(loop_use(st) for st in _walk(kernel.body) if isinstance(st, Loop))
     reduced = tuple(tile(op.out, 4) for op in top if op.kind == "reduce" and op.out.axes)
-    return Footprint(tuple(tile(op.out) for op in resident), loops, staged, reduced, stores)
+    return Footprint(tuple(operand(op) for op in resident), loops, staged, reduced, stores)
 
 
 def shared_memory_estimate(kernel: TileKernel) -> int:
