@@ -695,3 +695,23 @@ def test_a_sum_of_a_contraction_and_another_term_is_reduced_term_by_term(dtype, 
                 schedule=nf.flash(block_q=128, block_k=64, num_warps=8))
     source = _kernels(fn)[0].source
     assert "tl.dot(" in source and "BLOCK_R, BLOCK_C, BLOCK_E" not in source
+
+
+@nf.program
+def vocabulary_probabilities(h, w):
+    """softmax(h w^T) written out, the hidden axis longer than a tile: each score tile is an inner
+    K-loop."""
+    s = nf.einsum("id,vd->iv", h, w)
+    e = nf.exp(s - s.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def test_a_loop_held_in_one_tile_reuses_its_inner_loops(randn):
+    """A vocabulary of 30 in one 32-wide tile: the scores' K-loop over 700 hidden units runs once
+    and the second pass reads its result; 100 words loop and recompute it in the second pass."""
+    h = randn(20, 700)
+    whole = _check(vocabulary_probabilities, (h, randn(30, 700, scale=0.05)))
+    looped = _check(vocabulary_probabilities, (h, randn(100, 700, scale=0.05)))
+    assert _whole_loop(whole) and not _whole_loop(looped)
+    inner = "inner loop over 'd'"
+    assert _kernels(whole)[0].source.count(inner) == 1 < _kernels(looped)[0].source.count(inner)
