@@ -44,7 +44,8 @@ def centred_matmul(x, c, w):
     return nf.einsum("ik,ke->ie", x - c[:, None], w)
 
 
-def _torch_norm(x: torch.Tensor, centred: bool) -> torch.Tensor:
+def torch_norm(x: torch.Tensor, centred: bool) -> torch.Tensor:
+    """LayerNorm (`centred`) or RMSNorm of the last axis, no affine, in torch."""
     if centred:
         return (x - x.mean(-1, keepdim=True)) / torch.sqrt(x.var(-1, unbiased=False, keepdim=True) + 1e-5)
     return x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-6)
@@ -56,9 +57,9 @@ PROGRAMS: dict[str, tuple[Any, Callable[..., tuple[torch.Tensor, ...]], Callable
     "centred_matmul": (centred_matmul, lambda g, m, k, n: (g(m, k) + 3.0, g(m) + 3.0, g(k, n) * k ** -0.5),
                        lambda x, c, w: (x - c[:, None]) @ w),
     "rmsnorm_matmul": (rmsnorm_matmul, lambda g, m, k, n: (g(m, k), g(k, n) * k ** -0.5),
-                       lambda x, w: _torch_norm(x, False) @ w),
+                       lambda x, w: torch_norm(x, False) @ w),
     "layernorm_matmul": (layernorm_matmul, lambda g, m, k, n: (g(m, k) * 2.0 + 1.0, g(k, n) * k ** -0.5),
-                         lambda x, w: _torch_norm(x, True) @ w),
+                         lambda x, w: torch_norm(x, True) @ w),
     "linear_logsumexp": (linear_logsumexp, lambda g, m, k, n: (g(m, k), g(n, k) * 0.05),
                          lambda h, w: torch.logsumexp(h @ w.T, -1)),
     "softmax_pooling": (softmax_pooling, lambda g, m, k, n: (g(m, k) * 2.0, g(m, k)),
@@ -66,8 +67,8 @@ PROGRAMS: dict[str, tuple[Any, Callable[..., tuple[torch.Tensor, ...]], Callable
     # rows written by a second pass: held whole (read once) up to 16384 columns, looped beyond
     "softmax": (softmax, lambda g, m, k, n: (g(m, n * 3) * 3.0,), lambda x: torch.softmax(x, -1)),
     "rmsnorm": (rmsnorm, lambda g, m, k, n: (g(m, n * 3), g(n * 3) + 1.0),
-                lambda x, w: _torch_norm(x, False) * w),
-    "layernorm": (layernorm, lambda g, m, k, n: (g(m, n * 3) * 2.0 + 1.0,), lambda x: _torch_norm(x, True)),
+                lambda x, w: torch_norm(x, False) * w),
+    "layernorm": (layernorm, lambda g, m, k, n: (g(m, n * 3) * 2.0 + 1.0,), lambda x: torch_norm(x, True)),
 }
 
 

@@ -18,6 +18,8 @@ import torch
 import neptune_fusion as nf
 from bench.common import bench, environment, rel_err, warm_up_gpu, write_results
 from bench.general import torch_layernorm_matmul, torch_rmsnorm_matmul
+from bench.general_check import torch_norm
+from bench.streaming import torch_softmax
 from neptune_fusion.library import layernorm_matmul, rmsnorm_matmul, softmax
 
 try:
@@ -37,10 +39,6 @@ def ln_operand(x):
     return (x - mean) / (var + 1e-5) ** 0.5
 
 
-def torch_softmax(x):
-    return torch.softmax(x.float(), -1).to(x.dtype)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=5)
@@ -52,8 +50,7 @@ def main() -> None:
     xs = torch.randn(16384, 8192, generator=g, device="cuda").to(torch.float16)
     xf = x.float()
     y = torch.empty_like(x)
-    operand_refs = {"rms_operand": xf / torch.sqrt((xf ** 2).mean(-1, keepdim=True) + 1e-6),
-                    "ln_operand": (xf - xf.mean(-1, keepdim=True)) / torch.sqrt(xf.var(-1, unbiased=False, keepdim=True) + 1e-5)}
+    operand_refs = {"rms_operand": torch_norm(xf, False), "ln_operand": torch_norm(xf, True)}
     # case -> system -> (call, reference or None)
     cases: dict[str, dict[str, tuple[Callable[[], Any], torch.Tensor | None]]] = {}
     with torch.no_grad():

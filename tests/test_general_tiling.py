@@ -18,9 +18,11 @@ import torch  # noqa: E402
 import neptune_fusion as nf  # noqa: E402
 from neptune_fusion.library import (  # noqa: E402
     attention,
+    layernorm,
     layernorm_matmul,
     linear_cross_entropy,
     linear_logsumexp,
+    rmsnorm,
     rmsnorm_matmul,  # noqa: E402
     softmax_pooling,
 )
@@ -51,8 +53,9 @@ def column_normalised_softmax(x):
     return e / e.sum(axis=-1, keepdims=True)
 
 
-def _check(prog, args: tuple, dtype: torch.dtype = torch.float32, **kwargs) -> Compiled:
-    """Compile and run `prog`, compare with the reference executor on the fp32 inputs."""
+def _check(prog, args: tuple, dtype: torch.dtype = torch.float32, equal_nan: bool = False, **kwargs) -> Compiled:
+    """Compile and run `prog`, compare with the reference executor on the fp32 inputs (`equal_nan`:
+    NaN must sit where the reference's does)."""
     fn = nf.compile(prog, **kwargs)
     cast = tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
     out = fn(*cast)
@@ -61,7 +64,7 @@ def _check(prog, args: tuple, dtype: torch.dtype = torch.float32, **kwargs) -> C
     outs, refs = (out, ref) if isinstance(out, tuple) else ((out,), (ref,))
     for o, r in zip(outs, refs):
         assert o.shape == r.shape
-        torch.testing.assert_close(o.float(), r.float(), rtol=TOL[dtype], atol=TOL[dtype])
+        torch.testing.assert_close(o.float(), r.float(), rtol=TOL[dtype], atol=TOL[dtype], equal_nan=equal_nan)
     return fn
 
 
@@ -572,19 +575,6 @@ def test_a_reduction_over_an_empty_axis_is_a_clear_error(randn):
 
 
 @nf.program
-def rms_rows(x, g):
-    """RMSNorm with a weight: one row statistic, then a pass writing each row."""
-    return x / nf.sqrt((x * x).sum(axis=-1, keepdims=True) / x.shape[-1] + 1e-6) * g
-
-
-@nf.program
-def layernorm_rows(x):
-    mean = x.sum(axis=-1, keepdims=True) / x.shape[-1]
-    var = ((x - mean) * (x - mean)).sum(axis=-1, keepdims=True) / x.shape[-1]
-    return (x - mean) / nf.sqrt(var + 1e-5)
-
-
-@nf.program
 def banded_softmax_and_lse(x):
     """Row i sees columns j < i - 2 (rows 0-2 see none), and two outputs: the probabilities and
     the log-normaliser."""
@@ -599,17 +589,6 @@ def _whole_loop(fn: Compiled) -> bool:
     return next(iter(fn._cache.values())).record.whole_loop
 
 
-def _same_as_reference(prog, args: tuple, dtype: torch.dtype, schedule) -> tuple[Compiled, tuple]:
-    """`_check` where outputs may hold NaN or infinities: they must sit where the reference's do."""
-    fn = nf.compile(prog, schedule=schedule)
-    out = fn(*(a.to(dtype) for a in args))
-    ref = nf.run_reference(prog.trace(*args), dict(prog.bind(*args)))
-    outs, refs = (out, ref) if isinstance(out, tuple) else ((out,), (ref,))
-    for o, r in zip(outs, refs):
-        torch.testing.assert_close(o.float(), r.float(), rtol=TOL[dtype], atol=TOL[dtype], equal_nan=True)
-    return fn, outs
-
-
 ONE_TILE = nf.flash(block_q=16, block_k=64, num_warps=4)
 
 
@@ -620,10 +599,10 @@ def test_a_loop_held_in_one_tile_reads_its_row_once(cols, dtype, randn):
     the loop's loads (x is loaded once); 21 rows (not a multiple of the row tile), columns not a
     multiple of 16, against the reference executor."""
     x, g = randn(21, cols), randn(cols)
-    fn = _check(rms_rows, (x, g), dtype, schedule=ONE_TILE)
-    source = _kernels(fn)[0].source.split("def nf_rms_rows")[1]
+    fn = _check(rmsnorm, (x, g), dtype, schedule=ONE_TILE)
+    source = _kernels(fn)[0].source.split("def nf_rmsnorm(")[1]
     assert _whole_loop(fn) and source.count("tl.load(x_ptr") == 1 and "for " not in source
-    assert _whole_loop(_check(layernorm_rows, (x,), dtype, schedule=ONE_TILE))
+    assert _whole_loop(_check(layernorm, (x,), dtype, schedule=ONE_TILE))
     assert _whole_loop(_check(softmax_1d, (x,), dtype, schedule=ONE_TILE))
 
 
@@ -634,7 +613,8 @@ def test_a_loop_held_in_one_tile_keeps_nan_and_empty_rows(dtype, randn):
     x = randn(10, 40)
     x[5, 1] = float("nan")  # visible (row 5 sees columns 0-2)
     x[6, 20] = float("nan")  # masked
-    fn, (probs, lse) = _same_as_reference(banded_softmax_and_lse, (x,), dtype, ONE_TILE)
+    fn = _check(banded_softmax_and_lse, (x,), dtype, schedule=ONE_TILE, equal_nan=True)
+    probs, lse = fn(x.to(dtype))
     assert _whole_loop(fn)
     assert torch.isnan(probs[5]).all() and torch.isfinite(probs[6]).all() and torch.isfinite(lse[3:5]).all()
 
@@ -642,7 +622,7 @@ def test_a_loop_held_in_one_tile_keeps_nan_and_empty_rows(dtype, randn):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_a_row_longer_than_the_tile_keeps_its_loop(dtype, randn):
     """One column more than the loop tile: the loop and its second pass stay (x loaded in both)."""
-    fn = _check(rms_rows, (randn(9, 65), randn(65)), dtype, schedule=ONE_TILE)
+    fn = _check(rmsnorm, (randn(9, 65), randn(65)), dtype, schedule=ONE_TILE)
     assert not _whole_loop(fn) and _kernels(fn)[0].source.count("tl.load(x_ptr") > 1
 
 
@@ -651,11 +631,11 @@ def test_whole_rows_two_to_a_program(dtype, randn):
     """The GPU's plan for long rows with a second pass (a few rows a program, the row whole) under
     the interpreter: 2 rows of 64 columns a program over 7 rows, against the reference."""
     x, g = randn(7, 50), randn(50)
-    fn = nf.compile(rms_rows)
-    named = dict(rms_rows.bind(x.to(dtype), g.to(dtype)))
+    fn = nf.compile(rmsnorm)
+    named = dict(rmsnorm.bind(x.to(dtype), g.to(dtype)))
     run, used = fn._prepare(named, Plan(2, 64, 4, 1, 1))
     out = run(list(named.values()))
-    ref = nf.run_reference(rms_rows.trace(x, g), dict(rms_rows.bind(x, g)))
+    ref = nf.run_reference(rmsnorm.trace(x, g), dict(rmsnorm.bind(x, g)))
     assert used == Plan(2, 64, 4, 1, 1) and _whole_loop(fn)
     torch.testing.assert_close(out.float(), ref.float(), rtol=TOL[dtype], atol=TOL[dtype])
 
