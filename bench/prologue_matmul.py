@@ -1,6 +1,7 @@
 """Matmuls whose left operand is computed in the kernel (`exp(0.1 x) * g @ w`, a SwiGLU
 down-projection `silu(a) * b @ w`), before and after a change, in one run: rows with NaN, error
 against fp32, time beside torch.compile of the same code and cuBLAS on the operand made beforehand.
+Then each operand alone (an element-wise program) beside torch eager and torch.compile.
 
     bash bench/ab_baseline.sh REV; PYTHONPATH=src:.:.baseline python -m bench.prologue_matmul --before nf_before
 
@@ -62,7 +63,28 @@ def main() -> None:
                     row[f"{label}_us"] = bench(functools.partial(fn, x, other, w))
                 print(row, flush=True)
                 rows.append(row)
+                rows.append(elementwise_row(name, operand, x, other, mods))
     write_results("prologue_matmul", {"environment": environment(), "results": rows})
+
+
+def elementwise_row(name, operand, x, other, mods):
+    """The operand alone: a program with no reduction."""
+    row = {"program": f"{name}_operand", "shape": list(x.shape), "dtype": str(x.dtype).split(".")[-1]}
+    ref = operand(x.float(), other.float())
+    row["torch_eager_us"] = bench(functools.partial(operand, x, other))
+    row["torch_compile_us"] = bench(functools.partial(torch.compile(operand), x, other))
+    row["copy_us"] = bench(functools.partial(torch.clone, x))
+    for label, mod in mods.items():
+        try:
+            fn = mod.compile(mod.program(lambda x, y: operand(x, y)))
+            out = fn(x, other).float()
+        except Exception as exc:  # the package before may refuse a program with no reduction
+            row[f"{label}_error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+            continue
+        row[f"{label}_rel_err"] = float(((out - ref).abs().max() / ref.abs().max()).item())
+        row[f"{label}_us"] = bench(functools.partial(fn, x, other))
+    print(row, flush=True)
+    return row
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from neptune_fusion.ir.expr import (
+    Cast,
     Expr,
     Index,
     Load,
@@ -255,27 +256,26 @@ class ProgramDef:
     def specs(self, *args: Any, **kwargs: Any) -> tuple[ArgSpec, ...]:
         return tuple(spec_of(n, v) for n, v in self.bind(*args, **kwargs))
 
-    def output_dtype(self, program: Program, values: dict[str, Any]) -> Any:
-        """The dtype of a float output of `program` called with `values` (torch tensors by input
-        name) that no cast declares: as torch promotes, tensors with dims before 0-d ones.
+    def output_dtypes(self, program: Program, values: dict[str, Any]) -> list[Any]:
+        """The dtype of each output of `program` called with `values` (torch tensors by input
+        name): torch's (lang/dtypes.py); where the program does not promote, a float output takes
+        the first floating input's dtype unless a cast declares another.
 
         Example:
             >>> import torch
-            >>> add = ProgramDef(lambda a, b: (a + b).sum(axis=-1))
+            >>> add = ProgramDef(lambda a, b: ((a + b).sum(axis=-1), a.sum(axis=-1) > 0))
             >>> a, b = torch.randn(2, 3, dtype=torch.float16), torch.randn(2, 3)
-            >>> add.output_dtype(add.trace(a, b), {"a": a, "b": b})
-            torch.float32
+            >>> add.output_dtypes(add.trace(a, b), {"a": a, "b": b})
+            [torch.float32, torch.bool]
         """
-        import torch
+        from neptune_fusion.lang.dtypes import output_dtypes
 
-        floats = [values[b.name] for b in program.inputs if values[b.name].is_floating_point()]
-        if not self.promotes_outputs:
-            return floats[0].dtype
-        ranked = [t for t in floats if t.dim() > 0] or floats
-        out = ranked[0].dtype
-        for t in ranked[1:]:
-            out = torch.promote_types(out, t.dtype)
-        return out
+        promoted = output_dtypes(program, values)
+        if self.promotes_outputs:
+            return promoted
+        first = next(values[b.name].dtype for b in program.inputs if values[b.name].is_floating_point())
+        return [dtype if not dtype.is_floating_point or isinstance(program.stage(o.stage).body, Cast) else first
+                for dtype, o in zip(promoted, program.outputs)]
 
     def trace(self, *args: Any, **kwargs: Any) -> Program:
         """The Program for arguments like these (torch tensors or example shapes/scalars)."""

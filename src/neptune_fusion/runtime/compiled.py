@@ -536,9 +536,9 @@ def output_specs(fn: Compiled, named: dict[str, Any]) -> list[tuple[list[int], t
     example values, without a guard on them, and the shapes are read off the arguments."""
     program = fn.program_def.trace(**{n: _at_hints(v) for n, v in named.items()})
     sizes = axis_extents(program, named)
-    out_dtype = fn.program_def.output_dtype(program, named)
-    return [([sizes[d] if d else 1 for d in (spec.view or spec.dims)],
-             _declared_dtype(program.stage(spec.stage).body, out_dtype)) for spec in program.outputs]
+    dtypes = fn.program_def.output_dtypes(program, named)
+    return [([sizes[d] if d else 1 for d in (spec.view or spec.dims)], dtype)
+            for spec, dtype in zip(program.outputs, dtypes)]
 
 
 def _at_hints(value: Any) -> Any:
@@ -627,6 +627,8 @@ class Compiled:
             tiles = grid_tiles(choose_tiling(fused, full_sizes, plan.block_row, plan.block_col), full_sizes)
             if tiles > 1:
                 plan = plan_for(tiles)
+            if not fused_loop_of(fused).members:
+                plan = replace(plan, splits=1)  # no reduction to split (schedule/pipeline.py)
         # a loop no longer than one tile, with a second pass over its axis, is computed without a
         # loop, and the second pass reuses its loads (tile/lower.py `LoweringConfig.whole_loop`)
         whole_loop = (roles.rereads and plan.splits == 1 and not plan.prefetch_dot and not use_block_map
@@ -885,8 +887,7 @@ class Compiled:
             env.update(_materialised(program, group, sizes, device))
         # a group that reads only materialised (fp32) values would return fp32: outputs keep the
         # dtypes the whole program gives them
-        out_dtype = self.program_def.output_dtype(program, example)
-        dtypes = [_declared_dtype(program.stage(o.stage).body, out_dtype) for o in program.outputs]
+        dtypes = self.program_def.output_dtypes(program, example)
 
         def run(values: list[Any]) -> Any:
             known = dict(zip(order, values))
@@ -993,8 +994,8 @@ class Compiled:
                 raise
             warnings.warn(f"neptune_fusion: running {program.name!r} unfused: {exc}", stacklevel=3)
             self.fallback_reason = str(exc)
-            dtype = self.program_def.output_dtype(program, named)
-            return (lambda values: run_reference(program, dict(zip(order, values)), out_dtype=dtype)), None
+            dtypes = self.program_def.output_dtypes(program, named)
+            return (lambda values: _cast_outputs(run_reference(program, dict(zip(order, values))), dtypes)), None
         # a plan asked for that the executable does not run (a program of several kernels plans each
         # of its own): nothing to shrink
         # (a library contraction's operand kernels are planned by their own programs)
@@ -1013,12 +1014,12 @@ class Compiled:
         assert exe.main is not None and exe.plan is not None
         sizes = axis_extents(exe.main.program, example)
         device = example[program.inputs[0].name].device
-        out_dtype = self.program_def.output_dtype(program, example)
         fused = exe.main.program
         roles = _roles_of(fused)
         out_shapes = {spec.stage: [sizes[a] for a in fused.stage(spec.stage).axes] for spec in fused.outputs}
-        # an output whose value is cast to a float dtype (`x.to(torch.float32)`) is stored in it
-        out_dtypes = {name: _declared_dtype(fused.stage(name).body, out_dtype) for name in out_shapes}
+        # each output is stored in the dtype torch would give it (lang/dtypes.py)
+        out_dtypes = dict(zip((o.stage for o in fused.outputs), self.program_def.output_dtypes(program, example),
+                              strict=True))
         # each output is allocated in the shape it is returned in: a reshape of the contiguous shape the
         # kernel indexes, so the kernel's strides hold for it and a call makes no views
         returned = [(spec.stage, [sizes[d] if d else 1 for d in (spec.view or spec.dims)]) for spec in fused.outputs]
@@ -1290,13 +1291,11 @@ def _hooked(hook: Any) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
-def _declared_dtype(body: Any, default: torch.dtype) -> torch.dtype:
-    from neptune_fusion.ir.expr import Cast
-    from neptune_fusion.runtime.reference import torch_dtype
-
-    if isinstance(body, Cast) and body.dtype in ("f32", "f16", "bf16"):
-        return torch_dtype(body.dtype)
-    return default
+def _cast_outputs(result: Any, dtypes: list[torch.dtype]) -> Any:
+    """The reference executor's outputs in the dtypes the compiled kernels return."""
+    outs = result if isinstance(result, tuple) else (result,)
+    cast = tuple(o.to(d) for o, d in zip(outs, dtypes, strict=True))
+    return cast if isinstance(result, tuple) else cast[0]
 
 
 def _arg_key(value: Any) -> Any:

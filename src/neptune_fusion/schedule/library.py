@@ -3,15 +3,16 @@
 A program whose one output is a contraction `out[o] = sum_k A(o_a, k) * B(o_b, k)` of two
 operands, each a product of factors over its own output axes (and batch axes both share) and k,
 can run as: each operand that is not an input as it stands written once, in the inputs' 16-bit
-dtype, by a kernel of its own (its program: a normalised `x` is a row reduction and a second pass),
+dtype, by a kernel of its own (its program: a normalised `x` is a row reduction and a second pass,
+a gated `silu(a) * b` an element-wise pass),
 then `torch.einsum` of the two, which cuBLAS computes. The fused K-loop kernel computes the
 operand at every K-step instead and saves that traffic, but reaches a smaller share of the tensor
 cores than cuBLAS. The choice is the estimate of the two: the GEMM's FLOPs at cuBLAS's rate plus
 the written operands' bytes (written, then read) at HBM's, against the FLOPs at the K-loop's share
 of that rate. Each written element serves one product per output column of its side, so the library
 wins where that side is long (about 2600 columns on the H200: a model's width after a
-normalisation, not attention's head dim). The written operands may take at most the output's
-memory (the fused kernel holds none).
+normalisation, not attention's head dim). The written operands may take at most the memory of the
+output or of the inputs they are computed from (the fused kernel holds none).
 
 Example:
     >>> import torch
@@ -134,9 +135,6 @@ def library_contraction(program: Program, sizes: dict[str, int], dtype: str) -> 
         if sizers:
             writer = subprogram(program, writer.name, stages, [OutputSpec(name, axes)],
                                 [inputs[n] for n in sorted(sizers)])
-        if not any(isinstance(st.body, Reduce) for st in writer.stages):
-            return Declined(f"operand {j} of {stage.name!r} is element-wise: the fused kernel computes it as it "
-                            "loads its tiles, and no kernel writes it alone")
         unsized = _unsized_axes(writer) | set(length_axes(writer, program).values())
         if unsized:
             return Declined(f"operand {j} of {stage.name!r} would have axes {sorted(unsized)} that no input it "
@@ -144,11 +142,16 @@ def library_contraction(program: Program, sizes: dict[str, int], dtype: str) -> 
         operands.append(Operand(axes, program=writer))
     flops = 2.0 * _elements(stage.axes, sizes) * sizes[body.axis]
     written = sum(_elements(op.axes, sizes) for op in operands if op.program is not None)
-    if written > _elements(stage.axes, sizes):
-        # the fused kernel holds no operand; the library route may hold at most what the output
-        # it allocates anyway takes (a down-projection's wide operand stays fused)
+    # the fused kernel holds no operand; the library route may hold at most what the output it
+    # allocates anyway takes, or what the inputs it is computed from already take (a gated
+    # down-projection's operand from its two halves), not an operand larger than both (an outer
+    # product of two vectors)
+    allowed = max(_elements(stage.axes, sizes),
+                  sum(_elements(tuple(inputs[n].dims), sizes) for op in operands if op.program is not None
+                      for n in {b.name for b in op.program.inputs} if inputs[n].kind == "float"))
+    if written > allowed:
         return Declined(f"the written operands ({written} elements) would take more memory than the output "
-                        f"({_elements(stage.axes, sizes)})", estimated=True)
+                        f"and the inputs they are computed from ({allowed})", estimated=True)
     written_bytes = written * GEMM_DTYPES[dtype]
     library_s = flops / LIBRARY_GEMM_FLOPS + 2 * written_bytes / HBM_BYTES_PER_S
     fused_s = flops / (LIBRARY_GEMM_FLOPS * K_LOOP_SHARE)

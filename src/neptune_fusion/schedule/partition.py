@@ -101,6 +101,22 @@ def _recomputed_per_tile(program: Program, long_axes: frozenset[str]) -> tuple[s
     return late, why
 
 
+def _wide_outputs(program: Program) -> tuple[set[str], str] | None:
+    """(outputs for a later group, why) where an output has more than one axis beyond the axes of
+    the main chain's reductions (`x.sum() * y`): the fused loop's kernel writes at most one such
+    axis (a second pass over its loop axis, or one more axis after the loop). A later kernel
+    reads the reductions materialised and writes the output (an element-wise program)."""
+    axis = chain_axis(program)
+    if axis is None or program.loop_axis is not None:
+        return None
+    covered = set().union(*(st.axes for st in _reductions(program) if st.reduce_axis == axis))
+    wide = {o.stage for o in program.outputs if len(set(program.stage(o.stage).axes) - covered) > 1}
+    if not wide:
+        return None
+    return wide, (f"the output(s) {sorted(wide)} have more than one axis beyond those of the reductions over "
+                  f"{axis!r}, which the fused loop's kernel cannot write")
+
+
 def partition(program: Program, long_axes: frozenset[str] = frozenset(),
               narrow: frozenset[str] = frozenset()) -> list[Group]:
     """Groups of `program` that each fit one kernel, in the order they must run. `long_axes`: the
@@ -109,7 +125,7 @@ def partition(program: Program, long_axes: frozenset[str] = frozenset(),
     floats, whose contractions leave terms constant along them to a basis sum
     (transform/distribute.py) before the program is cut."""
     program = distribute_constant_terms(program, narrow)
-    found = _apart(program) or _recomputed_per_tile(program, long_axes)
+    found = _apart(program) or _recomputed_per_tile(program, long_axes) or _wide_outputs(program)
     if found is None:
         return [Group(program, tuple(f"output:{j}" for j in range(len(program.outputs))))]
     late, _ = found
@@ -156,7 +172,7 @@ def why_apart(program: Program, long_axes: frozenset[str] = frozenset(),
               narrow: frozenset[str] = frozenset()) -> str | None:
     """Why `program` needs more than one kernel (None when it does not)."""
     program = distribute_constant_terms(program, narrow)
-    found = _apart(program) or _recomputed_per_tile(program, long_axes)
+    found = _apart(program) or _recomputed_per_tile(program, long_axes) or _wide_outputs(program)
     return None if found is None else found[1]
 
 

@@ -33,7 +33,7 @@ from neptune_fusion.ir.expr import (
 )
 from neptune_fusion.ir.program import FusedLoop, InputBuffer, OutputSpec, Program, Stage
 from neptune_fusion.transform.inline import inline_along, inline_elementwise, inline_stages, reindex_reductions
-from neptune_fusion.transform.layout import needs_unit_row, with_unit_row
+from neptune_fusion.transform.layout import needs_unit_row, widest_output, with_unit_row
 from neptune_fusion.transform.normalize import hoist_invariant_factors
 from neptune_fusion.transform.polynomial import expand_polynomial_reductions
 from neptune_fusion.transform.rolling import nonnegative_sums, rolling_update
@@ -53,7 +53,7 @@ def fuse(program: Program, splits: int = 1) -> list[Step]:
     steps = [Step("input", program)]
     axis = chain_axis(program)
     if axis is None:
-        raise FusionError("analysis", program.name, "program", "the program has no reduction to fuse")
+        return _elementwise_steps(program, steps)
     p = inline_elementwise(program)
     steps.append(Step("inline elementwise stages", p))
     reindexed = reindex_reductions(p)
@@ -78,6 +78,25 @@ def fuse(program: Program, splits: int = 1) -> list[Step]:
         p = with_unit_row(p)
         steps.append(Step("a reduction to a single value: a row axis of extent 1 to tile", p))
     return with_split_k(steps, splits) if splits > 1 else steps
+
+
+def _elementwise_steps(program: Program, steps: list[Step]) -> list[Step]:
+    """A program with no reduction: every output computed from the inputs in the second pass of a
+    loop with no members over the last axis of the output of the most axes (walked in tiles, or
+    held in one tile), its other axes rows and batch as for any loop."""
+    p = inline_elementwise(program)
+    steps.append(Step("inline elementwise stages", p))
+    first = widest_output(p)
+    if not first.axes:
+        raise FusionError("analysis", program.name, first.name,
+                          "the program has no reduction and no output with an axis to tile (its values are 0-d)")
+    axis = first.axes[-1]
+    p = p.with_stages([FusedLoop(f"loop_{axis}", axis, (), {}, {}), *p.stages])
+    steps.append(Step(f"no reduction: the outputs as the second pass of a loop over {axis!r}", p))
+    if needs_unit_row(p):
+        p = with_unit_row(p)
+        steps.append(Step("outputs of one axis: a row axis of extent 1 to tile", p))
+    return steps
 
 
 def with_split_k(steps: Sequence[Step], splits: int) -> list[Step]:

@@ -69,7 +69,7 @@ from neptune_fusion.tile.ir import (
     TileKernel,
     TVal,
 )
-from neptune_fusion.transform.layout import UNIT_ROW
+from neptune_fusion.transform.layout import UNIT_ROW, elementwise_row_axes
 
 LOG2E = 1.4426950408889634
 BLOCK_MAP_PREFIX = "__blockmap_"
@@ -226,17 +226,20 @@ def fused_loop_of(program: Program) -> FusedLoop:
 def assign_roles(program: Program) -> AxisRoles:
     """Row, loop, batch and full axes of a fused program (see module docstring)."""
     loop = fused_loop_of(program)
-    # the fewest axes, and of those the member whose axes most others share (a LayerNorm's row
-    # statistics, not its weight's column sums)
-    smallest = min(loop.members, key=lambda m: (len(m.axes), -sum(set(m.axes) <= set(n.axes) for n in loop.members)))
-    if not smallest.axes and UNIT_ROW not in program.derived_axes:
-        raise UnsupportedProgramError("tile lowering", smallest.name, f"{smallest.reduce_op} over {loop.axis}",
-                                      "a reduction to a single value has no row axis to tile "
-                                      "(transform/layout.py `with_unit_row` declares one)")
-    # axes the members contract inside the loop body (a head dim a backward sums over) are held
-    # in the tile, never rows: the row is the last of the smallest member's other axes
-    inner = {n.axis for m in loop.members for n in walk(m.body.body) if isinstance(n, Reduce)}
-    spatial = tuple(a for a in smallest.axes if a not in inner) or smallest.axes
+    if loop.members:
+        # the fewest axes, and of those the member whose axes most others share (a LayerNorm's row
+        # statistics, not its weight's column sums)
+        smallest = min(loop.members, key=lambda m: (len(m.axes), -sum(set(m.axes) <= set(n.axes) for n in loop.members)))
+        if not smallest.axes and UNIT_ROW not in program.derived_axes:
+            raise UnsupportedProgramError("tile lowering", smallest.name, f"{smallest.reduce_op} over {loop.axis}",
+                                          "a reduction to a single value has no row axis to tile "
+                                          "(transform/layout.py `with_unit_row` declares one)")
+        # axes the members contract inside the loop body (a head dim a backward sums over) are held
+        # in the tile, never rows: the row is the last of the smallest member's other axes
+        inner = {n.axis for m in loop.members for n in walk(m.body.body) if isinstance(n, Reduce)}
+        spatial = tuple(a for a in smallest.axes if a not in inner) or smallest.axes
+    else:  # no reduction: the rows are the first output's other axes (schedule/pipeline.py)
+        spatial = elementwise_row_axes(program, loop.axis)
     # a program per index of a batch axis reads every operand once per index: an operand of a
     # contraction that the axis does not index (a matmul's weight across its rows) is instead
     # shared by a tile of it, so such an axis is held in the tile (tiled across the grid)
@@ -1019,6 +1022,8 @@ class KernelBuilder:
             self.config.notes.append(f"loop over {roles.col} held in one tile of BLOCK_C (its length is at most "
                                      f"{cfg.block_col}): no loop, and a second pass reuses its loads")
             self._emit_loop(self.const(0), self.size(roles.col), True, state, valid, "", inline=True)
+        elif not self.loop.members:
+            pass  # nothing to reduce: the outputs' second pass is the only walk over the axis
         elif cfg.block_map_axes is not None:
             self._emit_block_map_loops(row_tile, state, valid)
         else:

@@ -140,9 +140,23 @@ UNIT_ROW = "__row__"
 
 
 def needs_unit_row(program: Program) -> bool:
-    """Whether a fused loop has a member with no axes (a reduction to a single value): the tile
-    lowering then has no axis to tile rows by."""
-    return any(not m.axes for n in program.stages if isinstance(n, FusedLoop) for m in n.members)
+    """Whether a fused loop has a member with no axes (a reduction to a single value), or has no
+    members and outputs of no axis but the loop's: the tile lowering then has no axis to tile
+    rows by."""
+    loops = [n for n in program.stages if isinstance(n, FusedLoop)]
+    return any(not m.axes for n in loops for m in n.members) or any(
+        not n.members and not elementwise_row_axes(program, n.axis) for n in loops)
+
+
+def widest_output(program: Program) -> Stage:
+    """The first output stage of the most axes: a program with no reduction loops over its last
+    axis and tiles its others (schedule/pipeline.py)."""
+    return max((program.stage(o.stage) for o in program.outputs), key=lambda st: len(st.axes))
+
+
+def elementwise_row_axes(program: Program, loop_axis: str) -> tuple[str, ...]:
+    """What rows a loop with no members tiles: the widest output's axes but `loop_axis`."""
+    return tuple(a for a in widest_output(program).axes if a != loop_axis)
 
 
 def with_unit_row(program: Program) -> Program:
