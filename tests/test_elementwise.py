@@ -146,3 +146,17 @@ def test_outputs_wider_than_their_reductions_run_in_a_later_elementwise_kernel(n
     for g, w in zip(got, want, strict=True):
         assert g.shape == w.shape and g.dtype == w.dtype
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_a_long_row_is_cut_across_programs_with_nothing_to_merge(randn):
+    """Few rows, long columns: the loop axis is split across programs as split-K cuts a reduction
+    (schedule/auto.py), each program writing its chunk; with no members there is no combine."""
+
+    def shifted(x):
+        return x * 2.0 - 1.0
+
+    fn = nf.compile(shifted)
+    x = randn(3, 1000)
+    torch.testing.assert_close(fn(x), shifted(x))
+    exe = fn.executable_for(fn.program_def.trace(x), {"x": x})
+    assert exe.plan.splits > 1 and exe.combine is None

@@ -627,8 +627,6 @@ class Compiled:
             tiles = grid_tiles(choose_tiling(fused, full_sizes, plan.block_row, plan.block_col), full_sizes)
             if tiles > 1:
                 plan = plan_for(tiles)
-            if not fused_loop_of(fused).members:
-                plan = replace(plan, splits=1)  # no reduction to split (schedule/pipeline.py)
         # a loop no longer than one tile, with a second pass over its axis, is computed without a
         # loop, and the second pass reuses its loads (tile/lower.py `LoweringConfig.whole_loop`)
         whole_loop = (roles.rereads and plan.splits == 1 and not plan.prefetch_dot and not use_block_map
@@ -668,7 +666,9 @@ class Compiled:
         # the next listed tile's index read an iteration early: 5-6% faster (document mask)
         prefetch_index = use_block_map
         # the separate combine launches while the main kernel runs and waits for its writes itself
-        dependent_launch = plan.splits > 1 and not interpreter and _supports_dependent_launch(device)
+        # (a loop with no members writes its outputs from every chunk: no partial states, no combine)
+        merges = plan.splits > 1 and bool(fused_loop_of(fused).members)
+        dependent_launch = merges and not interpreter and _supports_dependent_launch(device)
         grid_group = None if tiling.grid else _grid_group(
             math.ceil(sizes[roles.row] / plan.block_row), batch, plan.splits, _num_sms(device), use_block_map, device,
             options.grid_group)
@@ -693,7 +693,7 @@ class Compiled:
         # loading and multiplied in float32
         dot_dtype = "f32" if interpreter and main_dtype == "bf16" else main_dtype
         config = LoweringConfig(dtypes, full_sizes, plan.block_row, plan.block_col, plan.num_warps,
-                                plan.num_stages, plan.splits, dot_dtype, partial_outputs=plan.splits > 1,
+                                plan.num_stages, plan.splits, dot_dtype, partial_outputs=merges,
                                 block_map_axes=block_axes, tma_buffers=tma, positive_params=positive,
                                 grid_group=grid_group, tiling=tiling, tiled_descriptors=tiled_descriptors,
                                 whole_loop=whole_loop)
@@ -702,7 +702,7 @@ class Compiled:
         combine = None
         combine_steps: list[Step] = []
         ctile = None
-        if plan.splits > 1:
+        if merges:
             try:
                 cprog = combine_program(fused)
                 combine_steps = list(_fuse_cached(cprog, 1))  # the same for every split count

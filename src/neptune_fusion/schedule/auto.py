@@ -122,6 +122,9 @@ def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: 
             tile = STREAM_THREAD_ELEMENTS * 32 * warps
             block_col = max(16, min(_pow2_at_least(cols), tile // (STREAM_ROWS * held_elems)))
             block_row = min(_pow2_at_least(rows), max(STREAM_ROWS, tile // (block_col * held_elems)))
+            if rows < block_row:  # fewer rows than a tile lays out (a vector): its columns fill it instead
+                block_row = _pow2_at_least(rows, 1)
+                block_col = max(16, min(_pow2_at_least(cols), tile // (block_row * held_elems)))
             row_values = _pow2_at_least(cols) * held_elems
             if rereads and row_values <= WHOLE_ROW_THREAD_VALUES * 32 * 8:
                 # the whole row in one tile: its second pass reads nothing again

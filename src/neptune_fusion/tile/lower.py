@@ -277,7 +277,8 @@ def assign_roles(program: Program) -> AxisRoles:
         if loop.axis in m.axes:
             raise UnsupportedProgramError("tile lowering", m.name, f"{m.reduce_op} over {loop.axis}",
                                           "a member of the loop is indexed by the loop axis")
-    second_pass = any(loop.axis in program.stage(spec.stage).axes for spec in program.outputs)
+    # (a loop with no members has nothing to read again: its outputs' pass is its only one)
+    second_pass = bool(loop.members) and any(loop.axis in program.stage(spec.stage).axes for spec in program.outputs)
     streams = not rows_share_loads(loop.members, row, loop.axis, set(full))
     return AxisRoles(row, loop.axis, tuple(batch), tuple(full), tuple(epilogue), streams, second_pass,
                      sums_loaded_products(program))
@@ -1106,7 +1107,6 @@ class KernelBuilder:
     def _loop_segments(self, r0: TVal) -> list[tuple[TVal, TVal, bool, str]]:
         """[start, stop) tile ranges of the loop: (start, stop, needs mask arithmetic, comment)."""
         n = self.size(self.roles.col)
-        bc = TVal("BLOCK_C", (), "i32")
         r1 = self.bin("add", r0, TVal("BLOCK_R", (), "i32"))
         r1 = self.bin("sub", r1, self.const(1))
         zero = self.const(0)
@@ -1114,11 +1114,7 @@ class KernelBuilder:
         boxes = self.masks.boxes()
         bounds = [self._box_bounds(box, r0, r1, n, ctx) for box in boxes]
         if self.config.splits > 1:
-            pid_s = self._split_id()
-            per = self.op("cdiv", (), "i32", (n,), prefix="per", block=self._splits().name)
-            chunk = self.bin("mul", self.op("cdiv", (), "i32", (per,), prefix="chunk", block="BLOCK_C"), bc)
-            c_lo = self.bin("mul", pid_s, chunk)
-            c_hi = self.bin("min", self.bin("add", c_lo, chunk), n)
+            c_lo, c_hi = self._split_chunk()
             bounds = [(self.bin("max", lo, c_lo), self.bin("min", hi, c_hi), flo, fhi) for lo, hi, flo, fhi in bounds]
         if not self.masks.masks:
             self.config.notes.append(f"no mask: tiles [0, {n.name}) visited; only the last partial tile is masked")
@@ -1443,20 +1439,24 @@ class KernelBuilder:
                           axis: str) -> None:
         """Outputs indexed by the reduced axis (softmax probabilities) or by an axis only outputs
         have: one more pass over that axis, reading the final values of the reductions."""
+        lo, hi = self.const(0), self.size(axis)
         if axis == self.roles.col and self.config.splits > 1:
-            raise UnsupportedProgramError("tile lowering", stages[0].name, "output",
-                                          "a split-K kernel writes partial states; its combine does the second pass")
+            if self.loop.members:
+                raise UnsupportedProgramError("tile lowering", stages[0].name, "output",
+                                              "a split-K kernel writes partial states; its combine does the second pass")
+            lo, hi = self._split_chunk()  # nothing to merge: each program writes its chunk's outputs
         if axis == self.roles.col and self.config.whole_loop:
             self._emit_whole_tile_pass(stages, state, valid)
             return
         block = self.block[axis]
         # whole tiles without the axis's mask, then the partial last tile with it: a mask that
         # varies along the contiguous axis (its length is not specialised) makes every load and
-        # store of the pass element-wise instead of vectorised
-        whole = self.bin("mul", self.bin("floordiv", self.size(axis), TVal(block, (), "i32")), TVal(block, (), "i32"))
+        # store of the pass element-wise instead of vectorised (a chunk is whole tiles but the last)
+        whole = self.bin("add", lo, self.bin("mul", self.bin("floordiv", self.bin("sub", hi, lo), TVal(block, (), "i32")),
+                                             TVal(block, (), "i32")))
         for start, stop, masked, comment in (
-                (self.const(0), whole, False, f"second pass over {axis}, whole tiles: outputs indexed by it"),
-                (whole, self.size(axis), True, f"second pass over {axis}, the partial last tile")):
+                (lo, whole, False, f"second pass over {axis}, whole tiles: outputs indexed by it"),
+                (whole, hi, True, f"second pass over {axis}, the partial last tile")):
             body: list[Stmt] = []
             self.scopes.append(_Scope(body))
             var = TVal(self.fresh("start_"), (), "i32")
@@ -1505,6 +1505,16 @@ class KernelBuilder:
         """The split count of a split-K kernel: a run-time argument (the launcher passes the plan's
         count as the size of the split axis), so every split count runs one compiled kernel."""
         return self.kernel_arg(f"size_{SPLIT_AXIS}", "int", ArgSource("size", SPLIT_AXIS), "i32")
+
+    def _split_chunk(self) -> tuple[TVal, TVal]:
+        """[start, stop) of this program's chunk of the loop axis under split-K: whole loop tiles."""
+        pid_s = self._split_id()
+        n = self.size(self.roles.col)
+        per = self.op("cdiv", (), "i32", (n,), prefix="per", block=self._splits().name)
+        chunk = self.bin("mul", self.op("cdiv", (), "i32", (per,), prefix="chunk", block="BLOCK_C"),
+                         TVal("BLOCK_C", (), "i32"))
+        c_lo = self.bin("mul", pid_s, chunk)
+        return c_lo, self.bin("min", self.bin("add", c_lo, chunk), n)
 
     def _split_id(self) -> TVal:
         """This program's split (grid axis 2), read once per kernel."""
