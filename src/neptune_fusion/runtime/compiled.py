@@ -44,7 +44,7 @@ from neptune_fusion.runtime.blockmap import block_map, block_map_axes
 from neptune_fusion.runtime.options import Options
 from neptune_fusion.runtime.reference import axis_extents, run_reference
 from neptune_fusion.runtime.state import CALL_STATE
-from neptune_fusion.schedule.auto import Plan, choose, fit
+from neptune_fusion.schedule.auto import MAX_GRID_AXIS, Plan, choose, fit
 from neptune_fusion.schedule.library import LibraryContraction, library_contraction
 from neptune_fusion.schedule.partition import Group, length_axes, partition, split_at
 from neptune_fusion.schedule.pipeline import SPLIT_AXIS, Step, combine_program, fuse, with_split_k
@@ -487,9 +487,6 @@ def _supports_dependent_launch(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-MAX_GRID_AXIS = 65535  # CUDA's limit on grid axes 1 and 2
-
-
 def _grid_group(row_tiles: int, batch: int, splits: int, num_sms: int, block_mapped: bool,
                 device: torch.device, setting: int | None = None) -> int | None:
     """How many batch entries (heads) run their row tiles interleaved, heaviest first, on a one-axis
@@ -619,7 +616,7 @@ class Compiled:
                               batch=batch * programs_per_row_tile, full_sizes=full_sizes, dtype=main_dtype,
                               num_sms=_num_sms(device), interpreter=interpreter, block_mapped=use_block_map,
                               streams=roles.streams, rereads=roles.rereads, k_loop=roles.k_loop,
-                              inner_loop_length=inner_loop_length)
+                              inner_loop_length=inner_loop_length, reduces=bool(fused_loop_of(fused).members))
 
             plan = plan_for(1)
             # the tiles of grid-tiled axes are programs too: split-K only where all of them leave the

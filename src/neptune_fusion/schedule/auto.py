@@ -28,6 +28,7 @@ SHARED_BYTES = 200 * 1024
 # tile (16-bit: two 16-byte vectors), so that many programs share a multiprocessor
 STREAM_THREAD_ELEMENTS = 16
 STREAM_ROWS = 16  # the fewest rows a tile is laid out with
+MAX_GRID_AXIS = 65535  # CUDA's limit on grid axes 1 and 2 (split-K's chunks are axis 2)
 REREAD_WIDENING = 8  # how much wider a streaming loop's tiles are when a second pass rereads its rows from L2
 # a streaming loop with a second pass over its rows holds a row whole when it fits this many fp32
 # values a thread (at 4 warps, or 8 for longer rows): the row is read from memory once and the
@@ -66,7 +67,7 @@ def _pow2_at_least(n: int, lo: int = 16) -> int:
 
 def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: dict[str, int], dtype: str,
            num_sms: int, interpreter: bool, block_mapped: bool = False, streams: bool = False,
-           rereads: bool = False, k_loop: bool = False, inner_loop_length: int = 0) -> Plan:
+           rereads: bool = False, k_loop: bool = False, inner_loop_length: int = 0, reduces: bool = True) -> Plan:
     """Resolve `schedule` for these sizes (rows: tiled axis, cols: reduced axis, batch: programs per row tile).
 
     `block_mapped`: tiles are visited from a run-time block map (under split-K each split takes a
@@ -80,7 +81,9 @@ def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: 
     tile (`grid_block`): one such program fills a multiprocessor's registers, so deeper stages cost
     it no company. `inner_loop_length`: each loop tile runs inner K-loops over this many elements
     (schedule/tiles.py `inner_loop_axes`); where a wave of programs re-reads more of the rows'
-    operand than L2 holds, the loop tiles are `INNER_LOOP_TILE` wide.
+    operand than L2 holds, the loop tiles are `INNER_LOOP_TILE` wide. `reduces` False: the loop has
+    nothing to reduce (a program with no reduction), so its tiles are independent and each program
+    takes one, as an element-wise kernel does: as many splits as loop tiles (no combine follows).
 
     Example:
         >>> pooling = choose(Auto(), rows=16384, cols=8192, batch=1, full_sizes={}, dtype="f16", num_sms=132,
@@ -142,6 +145,8 @@ def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: 
     programs = math.ceil(rows / block_row) * batch
     if isinstance(schedule, SplitK):
         splits = schedule.splits or 0
+    elif isinstance(schedule, Auto) and not reduces:
+        splits = min(math.ceil(cols / block_col), MAX_GRID_AXIS)
     elif isinstance(schedule, Auto):
         # a streaming loop has no tile reuse to lose by splitting: it splits until about four
         # programs share each multiprocessor (its combine merges one state per row and split)
