@@ -234,3 +234,21 @@ def test_a_down_projection_operand_may_take_what_its_input_takes(randn):
     x, w = randn(8, 40), randn(40, 24)
     plan = library_contraction(rmsnorm_matmul.trace(x, w), {"i": 64, "k": 20000, "e": 4096}, "f16")
     assert isinstance(plan, LibraryContraction)
+
+
+def test_a_written_operand_has_rows_cublas_multiplies_at_full_rate(randn, monkeypatch):
+    """An operand of 61 columns is written at a row pitch of 64 (16 bytes a row start): cuBLAS
+    takes unaligned 16-bit rows on a slow path."""
+    seen = []
+    einsum = torch.einsum
+
+    def spy(equation, *operands):
+        seen.append([op.stride() for op in operands])
+        return einsum(equation, *operands)
+
+    monkeypatch.setattr(torch, "einsum", spy)
+    x, w = randn(16, 61).half(), (randn(61, WIDE) * 0.1).half()
+    fn = nf.compile(rmsnorm_matmul)
+    out = fn(x, w)
+    assert _library_plan(fn) is not None and seen[0][0] == (64, 1)
+    torch.testing.assert_close(out.float(), _reference(rmsnorm_matmul, (x, w)), rtol=2e-2, atol=2e-2)

@@ -458,6 +458,7 @@ def _num_sms(device: torch.device) -> int:
 
 
 GLUON_BLOCK_MAP_MIN_KEYS = 4096  # block-mapped loops go through Gluon only above this many keys
+CUBLAS_ROW_ALIGNMENT = 16  # bytes: rows of an operand written for cuBLAS start at multiples of it (full-rate GEMMs)
 
 
 def _gluon_precondition(device: torch.device, options: Options) -> str | None:
@@ -854,7 +855,8 @@ class Compiled:
                 sources.append(position[operand.input or ""])
             else:
                 names = arg_names(operand.program)
-                launch = self._launcher(part, operand.program, {n: example[n] for n in names}, names)
+                launch = self._launcher(part, operand.program, {n: example[n] for n in names}, names,
+                                        pitch_bytes=CUBLAS_ROW_ALIGNMENT)
                 sources.append((launch, [position[n] for n in names]))
         sizes = axis_extents(program, example)
         spec = program.outputs[0]
@@ -1000,10 +1002,11 @@ class Compiled:
         return self._launcher(exe, program, named, order), exe.plan if shrinkable else None
 
     def _launcher(self, exe: Executable, program: Program, example: dict[str, Any],
-                  order: list[str]) -> Callable[[Sequence[Any]], Any]:
+                  order: list[str], pitch_bytes: int = 1) -> Callable[[Sequence[Any]], Any]:
         """The per-call function for arguments like `example`: everything that does not change from
         call to call (sizes, strides, grids, constexprs, where each kernel argument comes from) is
-        resolved here once; a call allocates its outputs and launches."""
+        resolved here once; a call allocates its outputs and launches. `pitch_bytes`: the rows of
+        an output (its last dim) start at multiples of it (padded, returned as a view)."""
         if exe.library is not None:
             return self._library_launcher(exe, program, example, order)
         if exe.groups:  # several kernels, run in order
@@ -1040,9 +1043,13 @@ class Compiled:
         csizes[SPLIT_AXIS] = exe.plan.splits
         kernels = [exe.main] if exe.combine is None else [exe.main, exe.combine]
         interpreted = exe.record.options.interpreter if exe.record is not None else interpreter_mode()
-        launchers = [_FastLaunch(*self._arg_plan(k, csizes, slot, scratch, example, out_shapes, extras),
+        pitched = {name: _pitched(shape, out_dtypes[name], pitch_bytes) if shape == alloc_shape[name] else shape
+                   for name, shape in out_shapes.items()}
+        launchers = [_FastLaunch(*self._arg_plan(k, csizes, slot, scratch, example, pitched, extras),
                                  interpreted=interpreted) for k in kernels]
-        allocs = [_allocator(alloc_shape[name], out_dtypes[name], device) for name in out_shapes]
+        allocs = [_allocator(alloc_shape[name], out_dtypes[name], device) if pitched[name] == out_shapes[name]
+                  else _padded_allocator(pitched[name], alloc_shape[name], out_dtypes[name], device)
+                  for name in out_shapes]
         results = [(slot[stage], None if shape == alloc_shape[stage] else shape) for stage, shape in returned]
         single = results[0][0] if len(results) == 1 and results[0][1] is None else None
         masks = exe.masks
@@ -1181,6 +1188,30 @@ def _allocator(shape: list[int], dtype: torch.dtype, device: torch.device) -> Ca
         if made.is_contiguous() and made.shape == template.shape:
             return functools.partial(torch.empty_like, template)
     return functools.partial(torch.empty, shape, dtype=dtype, device=device)
+
+
+def _pitched(shape: list[int], dtype: torch.dtype, pitch_bytes: int) -> list[int]:
+    """`shape` with its last dim rounded up so that rows start at multiples of `pitch_bytes`."""
+    if not shape:
+        return shape
+    multiple = max(1, pitch_bytes // dtype.itemsize)
+    return [*shape[:-1], -(-shape[-1] // multiple) * multiple]
+
+
+def _padded_allocator(padded: list[int], shape: list[int], dtype: torch.dtype,
+                      device: torch.device) -> Callable[[], torch.Tensor]:
+    """A function making a view of `shape` into a fresh tensor of the `padded` shape (its rows at
+    the padded pitch: cuBLAS multiplies 16-bit operands at full rate only from 16-byte aligned rows).
+
+    Example:
+        >>> t = _padded_allocator([3, 8], [3, 5], torch.float16, torch.device("cpu"))()
+        >>> (tuple(t.shape), t.stride())
+        ((3, 5), (8, 1))
+    """
+    def make() -> torch.Tensor:
+        return torch.empty(padded, dtype=dtype, device=device)[..., :shape[-1]]
+
+    return make
 
 
 def _fresh_scratch(specs: dict[str, tuple[list[int], torch.dtype]], device: torch.device) -> dict[str, torch.Tensor]:
