@@ -51,6 +51,26 @@ def torch_norm(x: torch.Tensor, centred: bool) -> torch.Tensor:
     return x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-6)
 
 
+def gated_down(a, b, w):
+    """A SwiGLU down-projection written in torch."""
+    return (torch.nn.functional.silu(a) * b) @ w
+
+
+def gated(a, b):
+    """Its operand alone: a program with no reduction."""
+    return torch.nn.functional.silu(a) * b
+
+
+def norm_linear(x, g, bias, w):
+    """torch's layer_norm with an affine, then a linear layer (w as nn.Linear holds it)."""
+    return torch.nn.functional.linear(torch.nn.functional.layer_norm(x, (x.shape[-1],), g, bias), w)
+
+
+def globally_centred(x):
+    """An output wider than its reduction (a later element-wise kernel)."""
+    return x - x.mean()
+
+
 # name -> (program, (rows, inner, cols) -> float inputs, fp32 reference of the float inputs)
 PROGRAMS: dict[str, tuple[Any, Callable[..., tuple[torch.Tensor, ...]], Callable[..., torch.Tensor]]] = {
     "matmul": (matmul, lambda g, m, k, n: (g(m, k), g(k, n) * k ** -0.5), lambda x, w: x @ w),
@@ -69,6 +89,12 @@ PROGRAMS: dict[str, tuple[Any, Callable[..., tuple[torch.Tensor, ...]], Callable
     "rmsnorm": (rmsnorm, lambda g, m, k, n: (g(m, n * 3), g(n * 3) + 1.0),
                 lambda x, w: torch_norm(x, False) * w),
     "layernorm": (layernorm, lambda g, m, k, n: (g(m, n * 3) * 2.0 + 1.0,), lambda x: torch_norm(x, True)),
+    # written in torch (torch.nn.functional traced)
+    "gated_down": (nf.program(gated_down), lambda g, m, k, n: (g(m, k), g(m, k), g(k, n) * k ** -0.5), gated_down),
+    "gated": (nf.program(gated), lambda g, m, k, n: (g(m, n * 3), g(m, n * 3)), gated),
+    "norm_linear": (nf.program(norm_linear), lambda g, m, k, n: (g(m, k) * 2.0 + 1.0, g(k) + 1.0, g(k), g(n, k) * k ** -0.5),
+                    norm_linear),
+    "globally_centred": (nf.program(globally_centred), lambda g, m, k, n: (g(m, n) + 1.0,), globally_centred),
 }
 
 

@@ -1,5 +1,6 @@
 """Random small programs that are not attention on the CPU (Triton's interpreter): a row statistic
-(mean, max, root mean square, standard deviation, logsumexp, max |x|), an element-wise map of it
+(mean, max, root mean square, standard deviation, logsumexp, max |x|; none, a program with no
+reduction when the output is the map; the mean of all of x, an output wider than its reduction), an element-wise map of it
 and the row (a normalisation, an affine mix, an exponential, a sigmoid), optionally times a
 per-column weight, then a matmul, a row sum, a column sum, a max, or the map itself as the output;
 fp32 and fp16, sizes drawn so no axis need be a multiple of a tile, output widths on both sides of
@@ -27,12 +28,16 @@ import torch  # noqa: E402
 
 import neptune_fusion as nf  # noqa: E402
 
-STATISTICS = ("mean", "max", "rms", "std", "logsumexp", "absmax")
+STATISTICS = ("mean", "max", "rms", "std", "logsumexp", "absmax", "none", "total")
 MAPS = ("norm", "affine", "exp", "sigmoid")
 TAILS = ("matmul", "rowsum", "colsum", "max", "out")
 
 
 def statistic(kind: str, x: Any) -> Any:
+    if kind == "none":
+        return 1.0
+    if kind == "total":
+        return x.sum() / (x.shape[0] * x.shape[1])
     if kind == "mean":
         return x.sum(axis=-1, keepdims=True) / x.shape[-1]
     if kind == "max":
@@ -49,7 +54,7 @@ def statistic(kind: str, x: Any) -> Any:
 
 
 def mapped(kind: str, stat: str, x: Any, s: Any) -> Any:
-    signed = stat in ("mean", "max", "logsumexp")  # statistics of either sign
+    signed = stat in ("mean", "max", "logsumexp", "total")  # statistics of either sign
     if kind == "norm":
         return x / (nf.abs_(s) + 1.0) if signed else x / s
     if kind == "affine":
