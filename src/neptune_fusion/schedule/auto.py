@@ -128,6 +128,11 @@ def choose(schedule: Schedule, *, rows: int, cols: int, batch: int, full_sizes: 
             if rows < block_row:  # fewer rows than a tile lays out (a vector): its columns fill it instead
                 block_row = _pow2_at_least(rows, 1)
                 block_col = max(16, min(_pow2_at_least(cols), tile // (block_row * held_elems)))
+            if not reduces:
+                # nothing to reduce: no reason to lay out rows, and a tile of one long row segment is
+                # one contiguous read (16 rows of a short segment each are 16 DRAM pages)
+                block_col = max(16, min(_pow2_at_least(cols), tile // held_elems))
+                block_row = min(_pow2_at_least(rows, 1), max(1, tile // (block_col * held_elems)))
             row_values = _pow2_at_least(cols) * held_elems
             if rereads and row_values <= WHOLE_ROW_THREAD_VALUES * 32 * 8:
                 # the whole row in one tile: its second pass reads nothing again
