@@ -206,6 +206,22 @@ def test_training_inside_torch_compile(randn):
 
 
 
+def test_two_programs_trained_in_one_compiled_graph(randn):
+    """Two compiled programs, each first called inside one torch.compile'd function: the second's
+    training handle is made while the graph is traced (its output count is read outside it)."""
+    gated = nf.compile(lambda a, b: a * torch.sigmoid(a) * b)
+    norm = nf.compile(lambda x: x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-6))
+    positives = nf.compile(lambda x: (x > 0).sum(-1))
+
+    def step(a, b):
+        return (norm(gated(a, b)) * 2 + positives(a)[:, None]).square().sum()
+
+    a, b = randn(8, 16).requires_grad_(), randn(8, 16)
+    got = torch.autograd.grad(torch.compile(step, backend="aot_eager", fullgraph=True)(a, b), [a])
+    want = torch.autograd.grad(step(a, b), [a])
+    torch.testing.assert_close(got[0], want[0], atol=1e-4, rtol=1e-4)
+
+
 def test_training_inside_torch_compile_with_automatic_dynamic_shapes(randn):
     """torch.compile's default marks sizes dynamic when a second length arrives: a call that records
     gradients (attention, and an `nf.compile`d program) specialises its graph to each length instead

@@ -566,8 +566,17 @@ def call_with_grad(fn: Compiled, args: tuple[Any, ...], kwargs: dict[str, Any]) 
         result = _EagerTraining.apply(handle, floats, ints, *tensors)
     else:
         result = train_forward(tensors, floats, ints, handle)
-    count = len(_entries[handle].derived.program.outputs) - len(_entries[handle].derived.gradient.saved)
+    count = output_count(handle)
     return result[0] if count == 1 else tuple(result[:count])
+
+
+@torch._dynamo.assume_constant_result
+def output_count(handle: int) -> int:
+    """How many of the training op's results are the call's outputs (the rest are saved for the
+    backward). Read outside torch.compile's tracing: a handle made while tracing (a second
+    function's, in the same graph) is an entry its snapshot of `_entries` lacks."""
+    derived = _entries[handle].derived
+    return len(derived.program.outputs) - len(derived.gradient.saved)
 
 
 _compiled.WITH_GRAD = call_with_grad
