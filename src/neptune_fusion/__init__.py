@@ -24,6 +24,7 @@ from neptune_fusion.lang.ops import (
     cast,
     cos,
     einsum,
+    erf,
     exp,
     exp2,
     index,
@@ -56,7 +57,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Auto", "Autotune", "Compiled", "Flash", "FusionError", "Options", "ProgramDef", "SplitK", "UnsupportedProgramError",
-    "abs_", "auto", "autotune", "cast", "compile", "cos", "einsum", "exp", "exp2", "explain", "flash", "index",
+    "abs_", "auto", "autotune", "cast", "compile", "cos", "einsum", "erf", "exp", "exp2", "explain", "flash", "index",
     "inf", "log", "log2", "matmul", "max", "maximum", "min", "minimum", "program", "rsqrt",
     "run_reference", "sigmoid", "sin", "size", "split_k", "sqrt", "sum", "tanh", "where",
 ]

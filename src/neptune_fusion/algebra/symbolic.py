@@ -74,7 +74,7 @@ _UNARY: dict[str, Any] = {
     "neg": lambda x: -x, "exp": sp.exp, "exp2": lambda x: sp.Integer(2) ** x, "log": sp.log,
     "log2": lambda x: sp.log(x, 2), "tanh": sp.tanh, "sigmoid": lambda x: 1 / (1 + sp.exp(-x)),
     "sqrt": sp.sqrt, "rsqrt": lambda x: 1 / sp.sqrt(x), "abs": sp.Abs, "sin": sp.sin,
-    "cos": sp.cos, "recip": lambda x: 1 / x,
+    "cos": sp.cos, "recip": lambda x: 1 / x, "erf": sp.erf,
 }
 _BINARY: dict[str, Any] = {
     "add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
@@ -144,6 +144,10 @@ def from_sympy(value: sp.Expr, table: SymbolTable) -> Expr:
             return Unary("tanh", go(node.args[0]))
         if isinstance(node, sp.Abs):
             return Unary("abs", go(node.args[0]))
+        if isinstance(node, sp.erf):
+            return Unary("erf", go(node.args[0]))
+        if isinstance(node, sp.erfc):  # SymPy may fold 1 - erf(x) into erfc(x)
+            return Binary("sub", Const(1.0), Unary("erf", go(node.args[0])))
         if isinstance(node, sp.Add):
             args = sorted(node.args, key=lambda a: (a.could_extract_minus_sign(), str(a) != "t"))
             out = go(args[0])

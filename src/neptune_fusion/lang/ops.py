@@ -34,7 +34,7 @@ from neptune_fusion.lang.tensor import (
 __all__ = [
     "exp", "exp2", "log", "log2", "tanh", "sigmoid", "sqrt", "rsqrt", "abs_", "sin", "cos",
     "maximum", "minimum", "where", "einsum", "matmul", "sum", "max", "min", "index", "cast", "inf",
-    "repeat_interleave", "size",
+    "repeat_interleave", "size", "erf",
 ]
 
 
@@ -66,6 +66,11 @@ def tanh(x: TensorLike) -> SymTensor:
 def sigmoid(x: TensorLike) -> SymTensor:
     """Elementwise 1 / (1 + e**-x)."""
     return unary("sigmoid", x)
+
+
+def erf(x: TensorLike) -> SymTensor:
+    """Elementwise error function, 2 / sqrt(pi) * integral from 0 to x of exp(-t**2)."""
+    return unary("erf", x)
 
 
 def sqrt(x: TensorLike) -> SymTensor:

@@ -4,8 +4,9 @@ A FlexAttention user writes `score_mod(score, b, h, q_idx, kv_idx)` and `mask_mo
 kv_idx)` with torch operations (`torch.tanh`, `torch.where`, `&`, comparisons, ...) and by
 indexing tensors they captured (`slopes[h]`, `doc_id[q_idx] == doc_id[kv_idx]`). To trace those
 functions unchanged, `SymTensor.__torch_function__` routes every torch function called on a
-symbolic tensor here, where it is mapped to the front end's ops. Anything without a mapping
-raises a `TypeError` naming the torch operation.
+symbolic tensor here, where it is mapped to the front end's ops (torch.nn.functional's and other
+model-level ops are in the `torch_nn` package). Anything without a mapping raises a `TypeError` naming the
+torch operation.
 
 Gathers: indexing with symbolic integer tensors (`table[q_idx - kv_idx + 64]`, `bias[h, q_idx]`)
 becomes a `Load` whose indices are the index expressions, of a program input. A captured torch
@@ -31,11 +32,10 @@ import torch
 from neptune_fusion.ir.expr import Const, Expr, substitute_index
 from neptune_fusion.lang.ops import repeat_interleave, same_axis_vars, tracer_dims
 from neptune_fusion.lang.tensor import SymTensor, binary, broadcast, cast, lift, matmul, mean, reduce_axes, unary, where
+from neptune_fusion.lang.torch_nn import CONTEXT, HANDLERS, UNSUPPORTED
+from neptune_fusion.lang.torch_nn import no_out as _no_out
 
 __all__ = ["CaptureTable", "gather", "lift_tensor", "tensor_attribute", "torch_function"]
-
-CONTEXT = "on symbolic tensors (inside nf.program, score_mod or mask_mod)"
-
 
 # --------------------------------------------------------------------------- captured tensors
 
@@ -175,11 +175,6 @@ def _unary(op: str) -> Callable[..., SymTensor]:
         return unary(op, x)
 
     return fn
-
-
-def _no_out(name: str, out: Any) -> None:
-    if out is not None:
-        raise TypeError(f"out= is not supported {CONTEXT} ({name})")
 
 
 def _binary(op: str, swap: bool = False) -> Callable[..., SymTensor]:
@@ -345,38 +340,6 @@ def _reduction(op: str) -> Callable[..., SymTensor]:
         return mean(x, dim, keepdim) if op == "mean" else reduce_axes(op, x, dim, keepdim)
 
     return fn
-
-
-def _dim_arg(name: str, dim: Any) -> int:
-    if not isinstance(dim, int) or isinstance(dim, bool):
-        raise TypeError(f"torch.{name} needs one integer dim, got {dim!r}")
-    return dim
-
-
-def _softmax(x: Any, dim: Any = None, dtype: Any = None, *, _stacklevel: int = 3) -> SymTensor:
-    x = cast(x, dtype) if dtype is not None else lift(x, x.tracer)
-    e = unary("exp", binary("sub", x, reduce_axes("max", x, _dim_arg("softmax", dim), True)))
-    return binary("div", e, reduce_axes("sum", e, dim, True))
-
-
-def _log_softmax(x: Any, dim: Any = None, dtype: Any = None, *, _stacklevel: int = 3) -> SymTensor:
-    x = cast(x, dtype) if dtype is not None else lift(x, x.tracer)
-    return binary("sub", x, _logsumexp(x, _dim_arg("log_softmax", dim), True))
-
-
-def _logsumexp(x: Any, dim: Any, keepdim: bool = False, *, out: Any = None) -> SymTensor:
-    _no_out("logsumexp", out)
-    x = lift(x, x.tracer)
-    m = reduce_axes("max", x, dim, True)
-    total = unary("log", reduce_axes("sum", unary("exp", binary("sub", x, m)), dim, True))
-    result = binary("add", total, m)
-    return result if keepdim else _squeezed(result, dim)
-
-
-def _squeezed(x: SymTensor, dim: Any) -> SymTensor:
-    """`x` without the size-1 axes `dim` names (kept by a keepdim reduction)."""
-    axes = {a % x.ndim for a in ([dim] if isinstance(dim, int) else list(dim))}
-    return SymTensor(tuple(d for i, d in enumerate(x.dims) if i not in axes), x.expr, x.tracer, x.kind)
 
 
 def _matmul(a: Any, b: Any, *, out: Any = None) -> SymTensor:
@@ -555,9 +518,6 @@ _HANDLERS: dict[str, Callable[..., Any]] = {
     "abs": _unary("abs"), "absolute": _unary("abs"), "neg": _unary("neg"), "negative": _unary("neg"),
     "positive": _identity, "reciprocal": lambda x, *, out=None: binary("div", 1.0, x),
     "square": lambda x, *, out=None: binary("mul", x, x),
-    "expm1": lambda x, *, out=None: binary("sub", unary("exp", x), 1.0),
-    "log1p": lambda x, *, out=None: unary("log", binary("add", 1.0, x)),
-    "relu": lambda x, inplace=False: binary("max", x, 0.0 if _kind(x) == "float" else 0),
     "sign": _sign, "sgn": _sign,
     "floor": _rounding("floor"), "ceil": _rounding("ceil"), "round": _rounding("round"),
     "trunc": _rounding("trunc"), "fix": _rounding("fix"),
@@ -571,7 +531,7 @@ _HANDLERS: dict[str, Callable[..., Any]] = {
     "clamp": _clamp, "clip": _clamp,
     # reductions
     "sum": _reduction("sum"), "amax": _reduction("max"), "amin": _reduction("min"), "mean": _reduction("mean"),
-    "logsumexp": _logsumexp, "softmax": _softmax, "log_softmax": _log_softmax, "matmul": _matmul,
+    "matmul": _matmul,
     "clamp_min": lambda x, m: binary("max", x, m), "clamp_max": lambda x, m: binary("min", x, m),
     # comparisons and logic
     "eq": _binary("eq"), "ne": _binary("ne"), "not_equal": _binary("ne"), "lt": _binary("lt"),
@@ -611,6 +571,7 @@ _HANDLERS["__neg__"] = _unary("neg")
 _HANDLERS["__abs__"] = _unary("abs")
 _HANDLERS["__invert__"] = _not
 _HANDLERS["__pos__"] = _identity
+_HANDLERS.update(HANDLERS)  # torch.nn.functional and friends (lang/torch_nn/)
 
 
 def _torch_name(func: Any) -> str:
@@ -637,6 +598,7 @@ def torch_function(func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: di
     if handler is None or name.endswith("_") and not name.startswith("__"):
         what = _torch_name(func)
         extra = " (in-place operations are not supported)" if name.endswith("_") and not name.startswith("__") else ""
+        extra = f": {UNSUPPORTED[name]}" if name in UNSUPPORTED else extra
         raise TypeError(f"{what} is not supported {CONTEXT}{extra}")
     try:
         return handler(*args, **kwargs)
@@ -679,5 +641,6 @@ def tensor_attribute(x: SymTensor, name: str) -> Any:
         return functools.partial(handler, x)
     if hasattr(torch.Tensor, name):
         extra = " (in-place operations are not supported)" if name.endswith("_") else ""
+        extra = f": {UNSUPPORTED[name]}" if name in UNSUPPORTED else extra
         raise TypeError(f"torch.Tensor.{name} is not supported {CONTEXT}{extra}")
     raise AttributeError(f"{type(x).__name__!r} object has no attribute {name!r}")

@@ -243,7 +243,11 @@ class ProgramDef:
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
         self.name = fn.__name__
-        self.signature = inspect.signature(fn)
+        try:
+            self.signature = inspect.signature(fn)
+        except (TypeError, ValueError):
+            raise TypeError(f"{self.name} has no Python signature to trace (a builtin, such as torch.nn.functional.gelu): "
+                            f"wrap it in a Python function, e.g. nf.compile(lambda x: {self.name}(x))") from None
         self.__doc__ = fn.__doc__
         self._cache: dict[tuple[ArgSpec, ...], Program] = {}
 

@@ -103,6 +103,7 @@ def _unary(node: Unary, dx: Expr | None) -> Expr | None:
         "sin": Unary("cos", x),
         "cos": -Unary("sin", x),
         "recip": -(node * node),
+        "erf": Const(2.0 / math.sqrt(math.pi)) * Unary("exp", -(x * x)),
     }
     if op == "not":
         return None
