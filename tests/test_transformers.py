@@ -15,7 +15,16 @@ import logging
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, BertConfig, BertModel, Gemma2Config, LlamaConfig, LlamaModel, StaticCache
+from transformers import (
+    AutoModelForCausalLM,
+    BertConfig,
+    BertModel,
+    Gemma2Config,
+    GptOssConfig,
+    LlamaConfig,
+    LlamaModel,
+    StaticCache,
+)
 from transformers import masking_utils as mu
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -367,6 +376,34 @@ def test_gemma2_gradients_and_compiled_training_equal_the_reference(gemma2: tupl
     torch.compile(loss, fullgraph=True, backend="aot_eager")().backward()
     for p, w in zip(model.parameters(), want):
         torch.testing.assert_close(p.grad, w, atol=1e-5, rtol=1e-4)
+
+
+def test_gpt_oss_attention_sinks_match_eager() -> None:
+    """gpt-oss's attention sinks (a learned per-head logit in every row's softmax, `s_aux`) with its
+    alternating sliding and full layers: logits, generated tokens and every gradient (the sinks'
+    included) equal transformers' eager attention. Sinks of a few units move the logits far more
+    than the tolerance."""
+    cfg = GptOssConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                       sliding_window=8, num_local_experts=4, num_experts_per_tok=2,
+                       layer_types=["sliding_attention", "full_attention"])
+    ref = _model(cfg, "eager")
+    with torch.no_grad():
+        for layer in ref.model.layers:
+            layer.self_attn.sinks.copy_(torch.randn(4, generator=torch.Generator().manual_seed(2)) * 3)
+    ours = _model(cfg, NAME, ref.state_dict())
+    _check_logits(ref, ours, padded=True)
+    _check_generate(ref, ours)
+    ids, _ = _inputs(False)
+    for model in (ours, ref):
+        model.zero_grad()
+        model(ids).logits.float().square().mean().backward()
+    for (name, a), b in zip(ours.named_parameters(), ref.parameters()):
+        assert a.grad is not None, name
+        torch.testing.assert_close(a.grad, b.grad, atol=2e-4, rtol=2e-3, msg=name)
+    with pytest.raises(ValueError, match="one value per query head"):
+        nft.attention_forward(ours.model.layers[0].self_attn, *(torch.randn(1, 4, 3, 16) for _ in range(3)), None,
+                              s_aux=torch.zeros(3))
 
 
 def test_chunked_attention_config_is_refused() -> None:

@@ -14,9 +14,10 @@ to the end of the keys (prefill and decode over a KV cache), bidirectional atten
 sees key k iff 0 <= q - k < sliding_window), logit softcapping, grouped-query heads, dynamic and
 static caches, and `torch.compile(fullgraph=True)` (nothing here reads tensor values while
 compiling), 4-D bool or float masks given to the model (read as sdpa reads them). Not supported,
-with an error naming it: dropout in training mode, mask patterns other than causal / sliding / bidirectional (chunked attention, packed sequences,
-`or_mask_function` / `and_mask_function` overlays), bidirectional sliding windows, attention
-sinks (`s_aux`), position biases. The pattern is recognised from the mask function outside
+with an error naming it: dropout in training mode, mask patterns other than causal / sliding /
+bidirectional (chunked attention, packed sequences, `or_mask_function` / `and_mask_function`
+overlays), bidirectional sliding windows, position biases. Attention sinks (`s_aux`, gpt-oss)
+rescale the output by the log-normaliser (`_sunk`). The pattern is recognised from the mask function outside
 tracing only: under torch.compile the overlays are still refused and chunked attention is
 refused from the config, but packed sequences (position_ids restarting inside a row, no
 attention_mask, no cache) are not seen and would run as plain causal attention: pass an
@@ -197,7 +198,7 @@ def _ours(attention_mask: torch.Tensor) -> bool:
 
 
 def _given_mask_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, given: torch.Tensor,
-                          scaling: float | None, softcap: float | None) -> torch.Tensor:
+                          scaling: float | None, softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
     """Attention under a 4-D mask the model's caller gave, as sdpa reads it: the whole mask (no
     causal part added), bool True where a key is attended, float added to the (softcapped) scores;
     each of its first three axes the length of that axis or 1. Returns (B, Lq, H, D)."""
@@ -207,10 +208,10 @@ def _given_mask_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
         given = given[..., :key.shape[2]]
     try:
         out = attend(query, key, value, scale=scaling, enable_gqa=query.shape[1] != key.shape[1], softcap=softcap,
-                     **{"mask" if given.dtype == torch.bool else "bias": given})
+                     return_lse=sinks is not None, **{"mask" if given.dtype == torch.bool else "bias": given})
     except (TypeError, ValueError) as exc:
         raise ValueError(f"the 4-D attention mask given to the model: {exc}") from exc
-    return out.transpose(1, 2).contiguous()
+    return _sunk(out, sinks).transpose(1, 2).contiguous()
 
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -228,10 +229,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if dropout and module.training:
         raise ValueError("neptune_fusion attention has no dropout: call model.eval(), or set the config's "
                          "attention_dropout to 0")
-    for name in ("s_aux", "sinks", "position_bias"):
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(f"neptune_fusion attention does not support {name} (this model needs "
-                                      "attn_implementation='eager' or 'sdpa')")
+    if kwargs.get("position_bias") is not None:
+        raise NotImplementedError("neptune_fusion attention does not support position_bias (this model needs "
+                                  "attn_implementation='eager' or 'sdpa')")
+    sinks = kwargs.get("s_aux", kwargs.get("sinks"))
     if kwargs.get("output_attentions") and not is_tracing():
         _logger.warning_once(
             "neptune_fusion attention does not return attention weights (output_attentions=True): use "
@@ -249,7 +250,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if window is not None and not is_causal:
         raise NotImplementedError("neptune_fusion attention supports sliding windows on causal attention only")
     if isinstance(attention_mask, torch.Tensor) and not _ours(attention_mask):
-        return _given_mask_attention(query, key, value, attention_mask, scaling, softcap), None
+        return _given_mask_attention(query, key, value, attention_mask, scaling, softcap, sinks), None
     padding, state = _key_padding(attention_mask, batch, lk)
     if state is not None and is_causal and (lq > 1 or window is not None):
         # Static cache: the written keys are followed by unwritten slots (state -1, the same in every
@@ -259,8 +260,24 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         key, value = key.index_select(2, order), value.index_select(2, order)
         padding = padding.index_select(1, order.to(padding.device))
     out = attend(query, key, value, scale=scaling, enable_gqa=hq != hkv, causal=is_causal, window=window,
-                 softcap=softcap, key_padding=padding)
-    return out.transpose(1, 2).contiguous(), None
+                 softcap=softcap, key_padding=padding, return_lse=sinks is not None)
+    return _sunk(out, sinks).transpose(1, 2).contiguous(), None
+
+
+def _sunk(out: Any, sinks: torch.Tensor | None) -> torch.Tensor:
+    """`out` (or `(out, lse)` where `sinks` is given) with attention sinks: a per-head logit that joins
+    each row's softmax and attends to nothing (gpt-oss's `s_aux`). The sink adds exp(sink) to the
+    row's normaliser exp(lse), so the output shrinks by exp(lse) / (exp(lse) + exp(sink)) =
+    sigmoid(lse - sink); a row with no visible key (lse -inf) stays 0, as the softmax over the sink
+    alone gives. Differentiable in out, lse and the sinks."""
+    if sinks is None:
+        return out
+    out, lse = out
+    if sinks.shape != (out.shape[1],):
+        raise ValueError(f"attention sinks must have one value per query head ({out.shape[1]}), got shape "
+                         f"{tuple(sinks.shape)}")
+    kept = torch.sigmoid(lse - sinks.float()[None, :, None])
+    return (out.float() * kept.unsqueeze(-1)).to(out.dtype)
 
 
 # --------------------------------------------------------------------------- registration
