@@ -272,8 +272,9 @@ def test_attend_describes_model_masks_by_value(attn_inputs, lq):
     compiled = torch.compile(lambda q, k, v, pad: attend(q, k, v, causal=True, window=10, softcap=5.0, key_padding=pad),
                              fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(q, k, v, pad), want, atol=2e-5, rtol=1e-4)
-    with pytest.raises(ValueError, match="window needs causal"):
-        attend(q, k, v, window=4)
+    band = ((i - j).abs() < 4)[None, None] & pad[:, None, None, :]  # no causal: keys on both sides
+    torch.testing.assert_close(attend(q, k, v, window=4, key_padding=pad), dense(q, k, v, 0.25, keep=band),
+                               atol=2e-5, rtol=1e-4)
     with pytest.raises(ValueError, match="key_padding must have shape"):
         attend(q, k, v, key_padding=pad[:, :10])
 

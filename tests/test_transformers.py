@@ -23,6 +23,8 @@ from transformers import (
     GptOssConfig,
     LlamaConfig,
     LlamaModel,
+    ModernBertConfig,
+    ModernBertModel,
     StaticCache,
 )
 from transformers import masking_utils as mu
@@ -193,6 +195,35 @@ def test_bert_bidirectional_padding_matches_sdpa() -> None:
         for m in (None, mask):
             torch.testing.assert_close(ours(ids, attention_mask=m).last_hidden_state,
                                        ref(ids, attention_mask=m).last_hidden_state, atol=ATOL, rtol=0)
+
+
+def test_modernbert_bidirectional_sliding_window_matches_sdpa() -> None:
+    """ModernBERT's local layers: a bidirectional band (|q - k| <= local_attention / 2), right padding;
+    a band of 4 keys each side in 24 tokens, so the window decides the output."""
+    cfg = ModernBertConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, max_position_embeddings=64, local_attention=8,
+                           global_attn_every_n_layers=2, pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1,
+                           sep_token_id=2)
+    torch.manual_seed(0)
+    ref = ModernBertModel._from_config(copy.deepcopy(cfg), attn_implementation="sdpa").eval()
+    ours = ModernBertModel._from_config(copy.deepcopy(cfg), attn_implementation=NAME).eval()
+    with torch.no_grad():
+        for layer in ref.layers:  # sharp attention, as _model does
+            layer.attn.Wqkv.weight.mul_(4.0)
+    ours.load_state_dict(ref.state_dict())
+    ids = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(2, 24, dtype=torch.long)
+    mask[1, 18:] = 0
+    with torch.no_grad():
+        got, want = (m(ids, attention_mask=mask).last_hidden_state for m in (ours, ref))
+        wide = copy.deepcopy(cfg)
+        wide.local_attention = 64  # every key inside the window: the band changes the output
+        full = ModernBertModel._from_config(wide, attn_implementation="sdpa").eval()
+        full.load_state_dict(ref.state_dict())
+        unbanded = full(ids, attention_mask=mask).last_hidden_state
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], atol=ATOL, rtol=0)
+    assert (unbanded[real] - want[real]).abs().max() > 100 * ATOL
 
 
 def test_compile_fullgraph() -> None:

@@ -154,7 +154,9 @@ class Builtins(NamedTuple):
     tensors they read passed as `extras` (in this order: block tables, key padding, a given mask)."""
 
     causal_end: bool = False  # query i sits at key position Lk - Lq + i and sees keys up to it
-    window: int | None = None  # ... and only the `window` keys ending there (needs causal_end)
+    # with causal_end, only the `window` keys ending at the query's position; without, the keys
+    # less than `window` positions from it on either side (a bidirectional band)
+    window: int | None = None
     softcap: float | None = None  # score -> softcap * tanh(score / softcap)
     padding: bool = False  # extras hold a (B, Lk) bool key-padding mask: True = attend
     block: tuple[int, int, bool] | None = None  # (q block, kv block, has full lists): extras hold BlockMask tables
@@ -203,8 +205,10 @@ def _body(score_mod: ScoreMod | None, mask_mod: MaskMod | None, builtins: Builti
         position = q_idx + (size(k, 2) - size(q, 2)) if q.shape[2] > 1 else size(k, 2) - 1
         if builtins.causal_end and q.shape[2] > 1:
             keep = _and(keep, _mask_of(position >= kv_idx, tracer))
-        if builtins.causal_end and builtins.window is not None:
+        if builtins.window is not None:
             keep = _and(keep, _mask_of(position - kv_idx < builtins.window, tracer))
+            if not builtins.causal_end:
+                keep = _and(keep, _mask_of(kv_idx - position < builtins.window, tracer))
         if builtins.padding:
             keep = _and(keep, _mask_of(rest.pop(0)[b, kv_idx], tracer))
         if builtins.given is not None:
@@ -1247,8 +1251,9 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, scale
     to trace, so it compiles the same inside and outside torch.compile.
 
     `causal` aligns the queries to the end of the keys (query i sits at key position Lk - Lq + i:
-    prefill and decode over a KV cache alike); `window=W` (with causal) also drops keys W or more
-    positions before the query; `softcap=c` maps the scaled score s to c * tanh(s / c);
+    prefill and decode over a KV cache alike); `window=W` also drops keys W or more positions
+    before the query (with causal) or on either side of it (without: a bidirectional band, as
+    ModernBERT's local layers); `softcap=c` maps the scaled score s to c * tanh(s / c);
     `key_padding` (B, Lk) bool, True where the key is attended; `mask` (bool, True where attended)
     or `bias` (float, added to the softcapped scores), each of shape (B or 1, H or 1, Lq or 1, Lk),
     on top of the rest. Shapes as in `attention`.
@@ -1270,8 +1275,6 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, scale
     if window is not None:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"window must be a positive int, got {window!r}")
-        if not causal:
-            raise ValueError("window needs causal=True (the window ends at the query's position)")
     if softcap is not None:
         if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 < softcap < math.inf:
             raise ValueError(f"softcap must be a positive finite number, got {softcap!r}")

@@ -16,7 +16,7 @@ static caches, and `torch.compile(fullgraph=True)` (nothing here reads tensor va
 compiling), 4-D bool or float masks given to the model (read as sdpa reads them). Not supported,
 with an error naming it: dropout in training mode, mask patterns other than causal / sliding /
 bidirectional (chunked attention, packed sequences, `or_mask_function` / `and_mask_function`
-overlays), bidirectional sliding windows, position biases. Attention sinks (`s_aux`, gpt-oss)
+overlays), position biases. Attention sinks (`s_aux`, gpt-oss)
 rescale the output by the log-normaliser (`_sunk`). The pattern is recognised from the mask function outside
 tracing only: under torch.compile the overlays are still refused and chunked attention is
 refused from the config, but packed sequences (position_ids restarting inside a row, no
@@ -224,8 +224,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     Hkv), `attention_mask` from `mask`; returns (output (B, Lq, Hq, D) in the model's dtype, None).
     Causal unless `is_causal=False` is passed or `module.is_causal` is False. Queries sit at the end
     of the keys (query i at key Lk - Lq + i). `sliding_window=W` keeps key k for query q iff
-    q - k < W, `softcap=c` maps the scaled score s to c * tanh(s / c).
-    """
+    q - k < W (causal) or |q - k| < W (bidirectional: ModernBERT passes its half-window + 1),
+    `softcap=c` maps the scaled score s to c * tanh(s / c)."""
     if dropout and module.training:
         raise ValueError("neptune_fusion attention has no dropout: call model.eval(), or set the config's "
                          "attention_dropout to 0")
@@ -247,8 +247,6 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     window = sliding_window
     if window is not None and window >= lk:  # every key lies inside the window
         window = None
-    if window is not None and not is_causal:
-        raise NotImplementedError("neptune_fusion attention supports sliding windows on causal attention only")
     if isinstance(attention_mask, torch.Tensor) and not _ours(attention_mask):
         return _given_mask_attention(query, key, value, attention_mask, scaling, softcap, sinks), None
     padding, state = _key_padding(attention_mask, batch, lk)
