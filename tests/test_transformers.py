@@ -26,6 +26,8 @@ from transformers import (
     ModernBertConfig,
     ModernBertModel,
     StaticCache,
+    T5Config,
+    T5ForConditionalGeneration,
 )
 from transformers import masking_utils as mu
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -224,6 +226,35 @@ def test_modernbert_bidirectional_sliding_window_matches_sdpa() -> None:
     real = mask.bool()
     torch.testing.assert_close(got[real], want[real], atol=ATOL, rtol=0)
     assert (unbanded[real] - want[real]).abs().max() > 100 * ATOL
+
+
+def test_t5_relative_position_bias_matches_eager() -> None:
+    """T5's learned relative position bias (`position_bias`, added to the scores) in its encoder,
+    causal decoder and cross-attention, with padding: logits, generated tokens and every gradient
+    (the bias table's included) equal transformers' eager attention."""
+    cfg = T5Config(vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+                   relative_attention_num_buckets=8, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    torch.manual_seed(0)
+    ref = T5ForConditionalGeneration._from_config(copy.deepcopy(cfg), attn_implementation="eager").eval()
+    with torch.no_grad():  # a bias of a few units: it decides where attention goes
+        for stack in (ref.encoder, ref.decoder):
+            stack.block[0].layer[0].SelfAttention.relative_attention_bias.weight.mul_(8.0)
+    ours = T5ForConditionalGeneration._from_config(copy.deepcopy(cfg), attn_implementation=NAME).eval()
+    ours.load_state_dict(ref.state_dict())
+    ids, mask = _inputs(True)
+    ids, mask = ids[:, :12].flip(1), mask[:, :12].flip(1)  # right padding, as encoders take it
+    labels = torch.randint(2, 128, (2, 6), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        got, want = (m(input_ids=ids, attention_mask=mask, labels=labels).logits for m in (ours, ref))
+        kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False)
+        assert torch.equal(ours.generate(ids, **kwargs), ref.generate(ids, **kwargs))
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    for model in (ours, ref):
+        model.zero_grad()
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    for (name, a), b in zip(ours.named_parameters(), ref.parameters()):
+        assert a.grad is not None, name
+        torch.testing.assert_close(a.grad, b.grad, atol=2e-4, rtol=2e-3, msg=name)
 
 
 def test_compile_fullgraph() -> None:

@@ -16,7 +16,7 @@ static caches, and `torch.compile(fullgraph=True)` (nothing here reads tensor va
 compiling), 4-D bool or float masks given to the model (read as sdpa reads them). Not supported,
 with an error naming it: dropout in training mode, mask patterns other than causal / sliding /
 bidirectional (chunked attention, packed sequences, `or_mask_function` / `and_mask_function`
-overlays), position biases. Attention sinks (`s_aux`, gpt-oss)
+overlays). Position biases (T5's `position_bias`) are added to the scores. Attention sinks (`s_aux`, gpt-oss)
 rescale the output by the log-normaliser (`_sunk`). The pattern is recognised from the mask function outside
 tracing only: under torch.compile the overlays are still refused and chunked attention is
 refused from the config, but packed sequences (position_ids restarting inside a row, no
@@ -229,9 +229,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if dropout and module.training:
         raise ValueError("neptune_fusion attention has no dropout: call model.eval(), or set the config's "
                          "attention_dropout to 0")
-    if kwargs.get("position_bias") is not None:
-        raise NotImplementedError("neptune_fusion attention does not support position_bias (this model needs "
-                                  "attn_implementation='eager' or 'sdpa')")
+    position_bias = kwargs.get("position_bias")
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))
     if kwargs.get("output_attentions") and not is_tracing():
         _logger.warning_once(
@@ -248,7 +246,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if window is not None and window >= lk:  # every key lies inside the window
         window = None
     if isinstance(attention_mask, torch.Tensor) and not _ours(attention_mask):
-        return _given_mask_attention(query, key, value, attention_mask, scaling, softcap, sinks), None
+        given = _biased(attention_mask, position_bias)
+        return _given_mask_attention(query, key, value, given, scaling, softcap, sinks), None
     padding, state = _key_padding(attention_mask, batch, lk)
     if state is not None and is_causal and (lq > 1 or window is not None):
         # Static cache: the written keys are followed by unwritten slots (state -1, the same in every
@@ -258,8 +257,18 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         key, value = key.index_select(2, order), value.index_select(2, order)
         padding = padding.index_select(1, order.to(padding.device))
     out = attend(query, key, value, scale=scaling, enable_gqa=hq != hkv, causal=is_causal, window=window,
-                 softcap=softcap, key_padding=padding, return_lse=sinks is not None)
+                 softcap=softcap, key_padding=padding, bias=position_bias, return_lse=sinks is not None)
     return _sunk(out, sinks).transpose(1, 2).contiguous(), None
+
+
+def _biased(given: torch.Tensor, position_bias: torch.Tensor | None) -> torch.Tensor:
+    """A 4-D mask the caller gave with a position bias (T5's relative attention bias) added: one
+    float mask, -inf where a bool mask drops the key."""
+    if position_bias is None:
+        return given
+    if given.dtype == torch.bool:
+        return torch.where(given, position_bias, float("-inf"))
+    return given + position_bias
 
 
 def _sunk(out: Any, sinks: torch.Tensor | None) -> torch.Tensor:
