@@ -83,6 +83,9 @@ ACTIVATIONS: dict[str, Callable[[Any], Any]] = {
     "erf_method": lambda v: v.erf(), "erfc": torch.erfc, "special_erf": torch.special.erf,
     "F_sigmoid": F.sigmoid, "F_tanh": F.tanh, "expm1": torch.expm1, "log1p": lambda v: torch.log1p(v.abs()),
     "dropout_eval": lambda v: F.dropout(v, 0.3, training=False),
+    "tanhshrink": F.tanhshrink, "threshold": lambda v: F.threshold(v, 0.1, 20.0), "softshrink": F.softshrink,
+    "hardshrink": lambda v: F.hardshrink(v, 0.7), "rrelu_eval": lambda v: F.rrelu(v, training=False),
+    "softmin": lambda v: F.softmin(v, -1),
 }
 
 
@@ -90,8 +93,10 @@ ACTIVATIONS: dict[str, Callable[[Any], Any]] = {
 def test_activation(name: str, x: torch.Tensor) -> None:
     f = ACTIVATIONS[name]
     # relative: tails too (softplus(-30), logsigmoid(20)); GELU's 1 + erf(x) cancels for x << 0, in torch as here
-    atol = 1e-6 if name.startswith("gelu") else 1e-30
-    check(lambda v: (f(v), f(v).sum(-1)), x, atol=atol, rtol=4e-6)
+    # GELU's 1 + erf(x) and tanhshrink's x - tanh(x) cancel near 0, in torch as here
+    atol = 1e-6 if name.startswith("gelu") or name == "tanhshrink" else 1e-30
+    check(lambda v: f(v), x, atol=atol, rtol=4e-6)
+    check(lambda v: f(v).sum(-1), x, atol=1e-5, rtol=1e-5)  # beside a reduction; its sum may cancel
 
 
 @pytest.mark.parametrize("name", ["gelu", "erfc", "softplus", "mish", "selu"])
@@ -374,6 +379,59 @@ def test_weighted_and_legacy_losses(randn: Callable[..., torch.Tensor]) -> None:
     check(lambda a, b: F.mse_loss(a, b, size_average=False), a, b)  # legacy arguments: a sum
     check(lambda a, b: F.mse_loss(a, b), a, b[0].clone())  # the target broadcast
     check(lambda a, b: F.mse_loss(a, b, reduction="mean"), a.half(), b.half(), atol=1e-3, rtol=1e-3)
+
+
+# --------------------------------------------------------------------------- torch idioms: pairs, truth, products
+
+
+def test_max_min_along_a_dim_read_as_torch_pairs(randn: Callable[..., torch.Tensor]) -> None:
+    x = randn(16, 24)
+    check(lambda x: (x.max(dim=-1).values, x.min(1, keepdim=True)[0], torch.max(x, 0).values), x)
+    check(lambda x: tuple(torch.min(x, -1, True))[0] * 2, x)
+    with pytest.raises(TypeError, match="indices of a max"):
+        nf.compile(lambda x: x.max(-1).indices)(x)
+    with pytest.raises(TypeError, match="indices of a max"):
+        nf.compile(lambda x: torch.max(x, 1)[1])(x)
+
+
+def test_any_all_count_nonzero(randn: Callable[..., torch.Tensor]) -> None:
+    x = randn(16, 24)
+    x[3, 5] = float("nan")
+    check(lambda x: ((x > 1.5).any(-1), (x > -2.5).all(dim=1), torch.any(x > 2), (x > 0).all(), torch.isfinite(x).all(-1),
+                     torch.count_nonzero(x > 0, dim=-1), x.any(-1, keepdim=True)), x)
+
+
+def test_products_and_scaled_sums(randn: Callable[..., torch.Tensor]) -> None:
+    a, b, c = randn(8, 24), randn(24, 5), randn(8, 5)
+    check(lambda a, b: torch.mm(a, b), a, b)
+    check(lambda a, b, c: torch.addmm(c, a, b, beta=0.5, alpha=2.0), a, b, c)
+    p, q, r = randn(3, 8, 24), randn(3, 24, 5), randn(3, 8, 5)
+    check(lambda p, q: torch.bmm(p, q), p, q)
+    check(lambda r, p, q: torch.baddbmm(r, p, q, alpha=0.5), r, p, q)
+    u, v, m, n = randn(24), randn(24), randn(8, 24), randn(8)
+    check(lambda u, v, m, n: (torch.dot(u, v), torch.outer(u, v), torch.mv(m, v), torch.addmv(n, m, v)), u, v, m, n)
+    with pytest.raises(ValueError, match="torch.mm takes operands of 2 and 2 dims"):
+        nf.compile(lambda p, q: torch.mm(p, q))(p, q)
+
+
+def test_pointwise_pairs(randn: Callable[..., torch.Tensor]) -> None:
+    x, y = randn(16, 24, scale=3.0), randn(16, 24, scale=3.0)
+    y[0, :3] = x[0, :3]  # logaddexp of equal arguments
+    x[1, :2] = 0.0  # xlogy's zeros
+    check(lambda x, y: (torch.logaddexp(x, y), torch.hypot(x, y), torch.xlogy(x, y.abs()), torch.lerp(x, y, 0.3),
+                        x.sum(-1, dtype=torch.float32), x.mean(0, dtype=torch.float32)), x, y)
+    one, channels = randn(1).abs(), randn(24).abs()
+    check(lambda x, one, channels: (F.prelu(x, one), F.prelu(x, channels)), x, one, channels)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_binary_cross_entropy(reduction: str, randn: Callable[..., torch.Tensor]) -> None:
+    x, t, w = randn(16, 24, scale=4.0), torch.sigmoid(randn(16, 24)), randn(24).abs()
+    x[0, :4] = torch.tensor([-100.0, 100.0, 40.0, -40.0])  # saturated probabilities: the logs clamp at -100
+    check(lambda x, t: F.binary_cross_entropy(torch.sigmoid(x), t, reduction=reduction), x, t, atol=1e-4)
+    check(lambda x, t, w: F.binary_cross_entropy_with_logits(x, t, weight=w, pos_weight=w * 2, reduction=reduction),
+          x, t, w, atol=1e-4)
+    check(lambda x, t: F.binary_cross_entropy_with_logits(x, t, reduction=reduction), x, t, atol=1e-4)
 
 
 # --------------------------------------------------------------------------- refused, with reasons

@@ -369,10 +369,6 @@ def test_unsupported_patterns_are_refused() -> None:
         nft.attention_forward(_Module(), q, k, v, torch.zeros(1, 3, 4, 4))
     with pytest.raises(ValueError, match="bool or floating point"):
         nft.attention_forward(_Module(), q, k, v, torch.zeros(1, 1, 4, 4, dtype=torch.int32))
-    with pytest.raises(NotImplementedError, match="causal attention only"):
-        nft.attention_forward(_Module(is_causal=False), q, k, v, None, sliding_window=2)
-    with pytest.raises(NotImplementedError, match="s_aux"):
-        nft.attention_forward(_Module(), q, k, v, None, s_aux=torch.zeros(2))
     module = _Module().train()
     with pytest.raises(ValueError, match="dropout"):
         nft.attention_forward(module, q, k, v, None, dropout=0.1)

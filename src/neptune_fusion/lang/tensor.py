@@ -186,17 +186,21 @@ class SymTensor:
     # reductions and views ----------------------------------------------------
     # `axis=None` reduces every axis (numpy's and torch's meaning); torch's `dim` / `keepdim`
     # spellings are accepted too
-    def sum(self, axis: Axes = None, keepdims: bool = False, *, dim: Axes = None, keepdim: bool | None = None) -> SymTensor:
-        return reduce_axes("sum", self, _axes_arg(axis, dim), _keep_arg(keepdims, keepdim))
+    def sum(self, axis: Axes = None, keepdims: bool = False, *, dim: Axes = None, keepdim: bool | None = None,
+            dtype: object = None) -> SymTensor:
+        x = self if dtype is None else cast(self, dtype)
+        return reduce_axes("sum", x, _axes_arg(axis, dim), _keep_arg(keepdims, keepdim))
 
     def max(self, axis: Axes = None, keepdims: bool = False, *, dim: Axes = None, keepdim: bool | None = None) -> SymTensor:
-        return reduce_axes("max", self, _axes_arg(axis, dim), _keep_arg(keepdims, keepdim))
+        return extremum("max", self, _axes_arg(axis, dim), _keep_arg(keepdims, keepdim))
 
     def min(self, axis: Axes = None, keepdims: bool = False, *, dim: Axes = None, keepdim: bool | None = None) -> SymTensor:
-        return reduce_axes("min", self, _axes_arg(axis, dim), _keep_arg(keepdims, keepdim))
+        return extremum("min", self, _axes_arg(axis, dim), _keep_arg(keepdims, keepdim))
 
-    def mean(self, axis: Axes = None, keepdims: bool = False, *, dim: Axes = None, keepdim: bool | None = None) -> SymTensor:
-        return mean(self, _axes_arg(axis, dim), _keep_arg(keepdims, keepdim))
+    def mean(self, axis: Axes = None, keepdims: bool = False, *, dim: Axes = None, keepdim: bool | None = None,
+             dtype: object = None) -> SymTensor:
+        x = self if dtype is None else cast(self, dtype)
+        return mean(x, _axes_arg(axis, dim), _keep_arg(keepdims, keepdim))
 
     def exp(self) -> SymTensor:
         return unary("exp", self)
@@ -476,6 +480,61 @@ def reduce_axes(op: str, x: SymTensor, axis: Axes, keepdims: bool) -> SymTensor:
             dims.insert(a, None)
         result = SymTensor(tuple(dims), result.expr, result.tracer, result.kind)
     return result
+
+
+_NO_INDICES = ("the indices of a max / min (their positions, argmax / argmin) are not supported on symbolic tensors: "
+               "reductions give values; use `.values`, or torch.amax / torch.amin")
+
+
+class NoIndices:
+    """The indices half of torch's (values, indices) pair: any use raises a TypeError saying why."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise TypeError(_NO_INDICES)
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(_NO_INDICES)
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __getitem__ = _refuse
+    __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = __index__ = __int__ = _refuse  # type: ignore[assignment]
+    __hash__ = None  # type: ignore[assignment]
+
+
+class Extremum(SymTensor):
+    """The values of `x.max(dim)` / `x.min(dim)` (a SymTensor), which also read as torch's
+    (values, indices) pair: `.values`, `[0]` and unpacking give the values, the indices raise."""
+
+    @property
+    def values(self) -> SymTensor:
+        return SymTensor(self.dims, self.expr, self.tracer, self.kind)
+
+    @property
+    def indices(self) -> Any:
+        raise TypeError(_NO_INDICES)
+
+    def __getitem__(self, key: object) -> Any:
+        if type(key) is int and key in (0, 1):  # torch's pair, as `x.max(-1)[0]` reads it
+            if key == 1:
+                raise TypeError(_NO_INDICES)
+            return self.values
+        return super().__getitem__(key)
+
+    def __iter__(self) -> Any:
+        return iter((self.values, NoIndices()))
+
+
+def extremum(op: str, x: SymTensor, axis: Axes, keepdims: bool) -> SymTensor:
+    """`reduce_axes(op, ...)` for max / min; along named axes, an `Extremum` (torch's pair too).
+
+    Example:
+        >>> import torch, neptune_fusion as nf
+        >>> top = nf.compile(lambda x: x.max(dim=-1).values)
+        >>> x = torch.randn(3, 5)
+        >>> torch.equal(top(x), x.amax(-1))
+        True
+    """
+    result = reduce_axes(op, x, axis, keepdims)
+    return result if axis is None else Extremum(result.dims, result.expr, result.tracer, result.kind)
 
 
 def mean(x: SymTensor, axis: Axes = None, keepdims: bool = False) -> SymTensor:

@@ -31,7 +31,19 @@ import torch
 
 from neptune_fusion.ir.expr import Const, Expr, substitute_index
 from neptune_fusion.lang.ops import repeat_interleave, same_axis_vars, tracer_dims
-from neptune_fusion.lang.tensor import SymTensor, binary, broadcast, cast, lift, matmul, mean, reduce_axes, unary, where
+from neptune_fusion.lang.tensor import (
+    SymTensor,
+    binary,
+    broadcast,
+    cast,
+    extremum,
+    lift,
+    matmul,
+    mean,
+    reduce_axes,
+    unary,
+    where,
+)
 from neptune_fusion.lang.torch_nn import CONTEXT, HANDLERS, UNSUPPORTED
 from neptune_fusion.lang.torch_nn import no_out as _no_out
 
@@ -324,8 +336,12 @@ def _maxmin(op: str, name: str) -> Callable[..., SymTensor]:
             return binary(op, a, other)
         if other is None and not args and not kwargs:  # torch.max(x): the largest value
             return reduce_axes(op, lift(a, a.tracer), None, False)
-        raise TypeError(f"torch.{name}(x, dim) returns values and indices, which is not supported {CONTEXT}; "
-                        f"torch.a{name}(x, dim) gives the values; torch.{name}(a, b) of two tensors is elementwise")
+        dim = other if other is not None else kwargs.pop("dim", None)
+        keepdim = args[0] if args else kwargs.pop("keepdim", False)
+        _no_out(name, kwargs.pop("out", None))
+        if isinstance(dim, bool) or not isinstance(dim, int) or kwargs or len(args) > 1:
+            raise TypeError(f"torch.{name} takes (x), (x, dim, keepdim=False) or (a, b) {CONTEXT}")
+        return extremum(op, lift(a, a.tracer), dim, bool(keepdim))  # (values, indices): the indices raise
 
     return fn
 

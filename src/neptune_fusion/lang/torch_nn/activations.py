@@ -167,10 +167,78 @@ def _dropout(x: Any, p: float = 0.5, training: bool = True, inplace: bool = Fals
     return symbolic(x)
 
 
+def _tanhshrink(x: Any) -> SymTensor:
+    return binary("sub", x, unary("tanh", x))
+
+
+def _threshold(x: Any, threshold: float, value: float, inplace: bool = False) -> SymTensor:
+    no_inplace("threshold", inplace)
+    return where(binary("le", x, threshold), float(value), x)  # a NaN stays NaN, as in torch
+
+
+def _softshrink(x: Any, lambd: float = 0.5) -> SymTensor:
+    # |x| <= lambd fails for NaN, which stays NaN as in torch
+    return where(binary("le", unary("abs", x), lambd), 0.0, binary("sub", x, where(binary("gt", x, 0.0), lambd, -lambd)))
+
+
+def _hardshrink(x: Any, lambd: float = 0.5) -> SymTensor:
+    return where(binary("le", unary("abs", x), lambd), 0.0, x)
+
+
+def _rrelu(x: Any, lower: float = 1.0 / 8, upper: float = 1.0 / 3, training: bool = False,
+           inplace: bool = False) -> SymTensor:
+    no_inplace("rrelu", inplace)
+    if training:
+        raise TypeError(f"torch.nn.functional.rrelu while training is not supported {CONTEXT}: kernels draw no "
+                        "random numbers; pass training=False (the mean slope)")
+    return _leaky_relu(x, (lower + upper) / 2)
+
+
+def _prelu(x: Any, weight: Any) -> SymTensor:
+    """x where x > 0, else weight * x; a weight of C values runs along axis 1 (channels), as torch."""
+    x = symbolic(x, weight)
+    w = symbolic(weight, x)
+    if w.ndim != 1 or (w.shape[0] != 1 and (x.ndim < 2 or x.shape[1] != w.shape[0])):
+        raise ValueError(f"prelu: a weight of shape {list(w.shape)} fits neither one slope nor the channels (axis 1) "
+                         f"of an input of shape {list(x.shape)}")
+    if w.shape[0] != 1:
+        w = w[(slice(None),) + (None,) * (x.ndim - 2)]
+    return where(binary("gt", x, 0.0), x, binary("mul", w, x))
+
+
+def _logaddexp(a: Any, b: Any, *, out: Any = None) -> SymTensor:
+    """log(exp(a) + exp(b)) = max + log1p(exp(-|a - b|)); equal infinities give that infinity."""
+    no_out("logaddexp", out)
+    top = binary("max", a, b)
+    gap = unary("abs", binary("sub", a, b))
+    same_infinity = binary("and", binary("eq", a, b), binary("eq", unary("abs", top), math.inf))  # gap NaN there
+    return where(same_infinity, top, binary("add", top, _log1p(unary("exp", unary("neg", gap)))))
+
+
+def _hypot(a: Any, b: Any, *, out: Any = None) -> SymTensor:
+    no_out("hypot", out)
+    return unary("sqrt", binary("add", binary("mul", a, a), binary("mul", b, b)))
+
+
+def _xlogy(x: Any, y: Any, *, out: Any = None) -> SymTensor:
+    """x * log(y), 0 where x is 0 (unless y is NaN), as torch.xlogy."""
+    no_out("xlogy", out)
+    product = binary("mul", x, unary("log", y))
+    return where(binary("and", binary("eq", x, 0.0), binary("eq", y, y)), 0.0, product)
+
+
+def _lerp(start: Any, end: Any, weight: Any, *, out: Any = None) -> SymTensor:
+    no_out("lerp", out)
+    return binary("add", start, binary("mul", weight, binary("sub", end, start)))
+
+
 HANDLERS: dict[str, Callable[..., Any]] = {
     "relu": _relu, "silu": _silu, "gelu": _gelu, "softplus": _softplus, "mish": _mish, "elu": _elu, "selu": _selu,
     "celu": _celu, "leaky_relu": _leaky_relu, "relu6": _relu6, "hardtanh": _hardtanh, "hardsigmoid": _hardsigmoid,
     "hardswish": _hardswish, "log_sigmoid": _logsigmoid, "logsigmoid": _logsigmoid, "softsign": _softsign,
     "log1p": _log1p, "special_log1p": _log1p, "expm1": _expm1, "special_expm1": _expm1,
     "erf": _erf, "special_erf": _erf, "erfc": _erfc, "special_erfc": _erfc, "dropout": _dropout,
+    "tanhshrink": _tanhshrink, "threshold": _threshold, "_threshold": _threshold, "softshrink": _softshrink,
+    "hardshrink": _hardshrink, "rrelu": _rrelu, "prelu": _prelu, "logaddexp": _logaddexp, "hypot": _hypot,
+    "xlogy": _xlogy, "special_xlogy": _xlogy, "lerp": _lerp,
 }

@@ -10,7 +10,7 @@ from neptune_fusion.lang.tensor import (
     binary,
     einsum,
 )
-from neptune_fusion.lang.torch_nn.common import CONTEXT, symbolic
+from neptune_fusion.lang.torch_nn.common import CONTEXT, no_out, symbolic
 
 _BATCH_LETTERS = "abcdefghijklmnopqrstuvw"  # y and z name the contracted and the output feature
 
@@ -54,6 +54,36 @@ def _einsum(equation: Any, *operands: Any) -> SymTensor:
     return einsum(f"{','.join(terms)}->{out}", *ops)
 
 
+def _contraction(name: str, equation: str, ranks: tuple[int, int]) -> Callable[..., SymTensor]:
+    """torch.mm / bmm / mv / dot / outer: `equation` on two operands of exactly `ranks`."""
+    def fn(a: Any, b: Any, *, out: Any = None) -> SymTensor:
+        no_out(name, out)
+        x, y = symbolic(a, b), symbolic(b, a)
+        if (x.ndim, y.ndim) != ranks:
+            raise ValueError(f"torch.{name} takes operands of {ranks[0]} and {ranks[1]} dims, got shapes "
+                             f"{list(x.shape)} and {list(y.shape)}")
+        return einsum(equation, x, y)
+
+    return fn
+
+
+_MM, _BMM, _MV = _contraction("mm", "ij,jk->ik", (2, 2)), _contraction("bmm", "bij,bjk->bik", (3, 3)), \
+    _contraction("mv", "ij,j->i", (2, 1))
+
+
+def _scaled_sum(name: str, product: Callable[..., SymTensor]) -> Callable[..., SymTensor]:
+    """torch.addmm / baddbmm / addmv: beta * input + alpha * product(a, b); beta 0 ignores input (NaN too)."""
+    def fn(input: Any, a: Any, b: Any, *, beta: Any = 1, alpha: Any = 1, out: Any = None) -> SymTensor:  # noqa: A002
+        no_out(name, out)
+        y = product(a, b)
+        y = y if alpha == 1 else binary("mul", alpha, y)
+        if beta == 0:
+            return y
+        return binary("add", input if beta == 1 else binary("mul", beta, input), y)
+
+    return fn
+
+
 def _permute(x: Any, *dims: Any) -> SymTensor:
     x = symbolic(x)
     order = list(dims[0]) if len(dims) == 1 and isinstance(dims[0], (tuple, list)) else list(dims)
@@ -73,4 +103,8 @@ HANDLERS: dict[str, Callable[..., Any]] = {
     "linear": _linear, "einsum": _einsum, "permute": _permute, "t": _t,
     "transpose": lambda x, a, b: symbolic(x).transpose(a, b), "swapaxes": lambda x, a, b: symbolic(x).transpose(a, b),
     "unsqueeze": lambda x, dim: symbolic(x).unsqueeze(dim),
+    "mm": _MM, "bmm": _BMM, "mv": _MV, "dot": _contraction("dot", "i,i->", (1, 1)), "vdot": _contraction("vdot", "i,i->", (1, 1)),
+    "inner": _contraction("inner", "i,i->", (1, 1)), "outer": _contraction("outer", "i,j->ij", (1, 1)),
+    "ger": _contraction("ger", "i,j->ij", (1, 1)), "addmm": _scaled_sum("addmm", _MM),
+    "baddbmm": _scaled_sum("baddbmm", _BMM), "addmv": _scaled_sum("addmv", _MV),
 }

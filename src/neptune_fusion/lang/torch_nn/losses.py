@@ -169,7 +169,32 @@ def _cross_entropy(input: Any, target: Any, weight: Any = None, size_average: An
     return _reduced(unary("neg", reduce_axes("sum", terms, axis, False)), reduction)
 
 
+def _binary_cross_entropy(input: Any, target: Any, weight: Any = None, size_average: Any = None,  # noqa: A002
+                          reduce: Any = None, reduction: str = "mean") -> SymTensor:
+    """-(t log p + (1 - t) log(1 - p)), each log clamped at -100, as torch."""
+    log_p = binary("max", unary("log", input), -100.0)
+    log_q = binary("max", unary("log", binary("sub", 1.0, input)), -100.0)
+    loss = unary("neg", binary("add", binary("mul", target, log_p), binary("mul", binary("sub", 1.0, target), log_q)))
+    return _weighted(loss, weight, _reduction_arg(size_average, reduce, reduction), False)
+
+
+def _binary_cross_entropy_with_logits(input: Any, target: Any, weight: Any = None, size_average: Any = None,  # noqa: A002
+                                      reduce: Any = None, reduction: str = "mean",
+                                      pos_weight: Any = None) -> SymTensor:
+    """(1 - t) x - (1 + (pw - 1) t) log(sigmoid(x)), log(sigmoid(x)) = min(x, 0) - log1p(exp(-|x|))."""
+    x = symbolic(input, target)
+    log_sigmoid = binary("sub", binary("min", x, 0.0),
+                         unary("log", binary("add", 1.0, unary("exp", unary("neg", unary("abs", x))))))
+    scale: Any = 1.0
+    if pos_weight is not None:
+        scale = binary("add", 1.0, binary("mul", binary("sub", pos_weight, 1.0), target))
+    loss = binary("sub", binary("mul", binary("sub", 1.0, target), x), binary("mul", scale, log_sigmoid))
+    return _weighted(loss, weight, _reduction_arg(size_average, reduce, reduction), False)
+
+
 HANDLERS: dict[str, Callable[..., Any]] = {
     "mse_loss": _mse_loss, "l1_loss": _l1_loss, "smooth_l1_loss": _smooth_l1_loss, "huber_loss": _huber_loss,
     "kl_div": _kl_div, "nll_loss": _nll_loss, "cross_entropy": _cross_entropy,
+    "binary_cross_entropy": _binary_cross_entropy,
+    "binary_cross_entropy_with_logits": _binary_cross_entropy_with_logits,
 }

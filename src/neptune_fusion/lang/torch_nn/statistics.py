@@ -196,9 +196,28 @@ def _std_mean(x: Any, *args: Any, **kwargs: Any) -> tuple[SymTensor, SymTensor]:
     return unary("sqrt", variance), centre
 
 
+def _softmin(x: Any, dim: Any = None, _stacklevel: int = 3, dtype: Any = None) -> SymTensor:
+    return _softmax(unary("neg", symbolic(x)), dim, dtype)
+
+
+def _truth(op: str, name: str) -> Callable[..., SymTensor]:
+    """torch.any (op max) / torch.all (op min) of x != 0 along `dim` (None: all), as bool."""
+    def fn(x: Any, dim: Any = None, keepdim: bool = False, *, out: Any = None) -> SymTensor:
+        no_out(name, out)
+        nonzero = cast(binary("ne", symbolic(x), 0), "f32")  # NaN counts as true, as in torch
+        return binary("gt", reduce_axes(op, nonzero, dim_axes(dim), bool(keepdim)), 0.0)
+
+    return fn
+
+
+def _count_nonzero(x: Any, dim: Any = None) -> SymTensor:
+    return reduce_axes("sum", binary("ne", symbolic(x), 0), dim_axes(dim), False)  # a sum of bools: int64
+
+
 HANDLERS: dict[str, Callable[..., Any]] = {
     "softmax": _softmax, "log_softmax": log_softmax, "logsumexp": _logsumexp, "special_logsumexp": _logsumexp,
     "layer_norm": _layer_norm, "rms_norm": _rms_norm, "normalize": _normalize, "norm": _norm,
     "linalg_vector_norm": _vector_norm, "linalg_norm": _linalg_norm, "cosine_similarity": _cosine_similarity,
-    "var": _var, "std": _std, "var_mean": _var_mean, "std_mean": _std_mean,
+    "var": _var, "std": _std, "var_mean": _var_mean, "std_mean": _std_mean, "softmin": _softmin,
+    "any": _truth("max", "any"), "all": _truth("min", "all"), "count_nonzero": _count_nonzero,
 }
