@@ -51,6 +51,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], str, str]] = {
                                              v_head_dim=12, n_routed_experts=4, num_experts_per_tok=2,
                                              moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1,
                                              num_key_value_heads=4), "causal", "sdpa"),
+    "llama4": ("Llama4TextConfig", dict(head_dim=16, num_local_experts=4, attention_chunk_size=8,
+                                        interleave_moe_layer_step=1), "causal", "sdpa"),
     "modernbert": ("ModernBertConfig", dict(local_attention=8, global_attn_every_n_layers=2), "encoder", "sdpa"),
     "vit": ("ViTConfig", dict(image_size=32, patch_size=8), "vision", "sdpa"),
     "whisper": ("WhisperConfig", dict(d_model=64, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,

@@ -358,9 +358,6 @@ def test_mask_function() -> None:
 def test_unsupported_patterns_are_refused() -> None:
     with pytest.raises(NotImplementedError, match="or_mask_function"):
         mask_of(batch_size=1, q_length=4, kv_length=4, use_vmap=True)
-    chunked = mu.chunked_causal_mask_function(2, torch.zeros(1, dtype=torch.long))
-    with pytest.raises(NotImplementedError, match="chunked"):
-        mask_of(batch_size=1, q_length=4, kv_length=4, mask_function=chunked)
     packed = mu.packed_sequence_mask_function(torch.tensor([[0, 0, 1, 1]]))
     with pytest.raises(NotImplementedError, match="packed"):
         mask_of(batch_size=1, q_length=4, kv_length=4, mask_function=mu.and_masks(mu.causal_mask_function, packed))
@@ -464,15 +461,81 @@ def test_gpt_oss_attention_sinks_match_eager() -> None:
                               s_aux=torch.zeros(3))
 
 
-def test_chunked_attention_config_is_refused() -> None:
-    """Chunked attention (Llama-4) is refused from the config, which torch.compile can read too."""
+def test_chunked_attention_config_is_refused_under_compile() -> None:
+    """Chunked attention (Llama-4) is read from the mask function, which torch.compile cannot
+    inspect: while compiling it is refused from the config, which torch.compile can read."""
     import types
 
-    from neptune_fusion.integrations.transformers import mask
-
     config = types.SimpleNamespace(attention_chunk_size=8)
-    with pytest.raises(NotImplementedError, match="attention_chunk_size"):
-        mask(batch_size=1, q_length=4, kv_length=4, config=config)
+
+    def build(padding: torch.Tensor) -> torch.Tensor | None:
+        return nft.mask(batch_size=1, q_length=4, kv_length=4, config=config, attention_mask=padding)
+
+    with pytest.raises(Exception, match="attention_chunk_size"):
+        torch.compile(build, fullgraph=True, backend="eager")(torch.ones(1, 4, dtype=torch.bool))
+
+
+def test_chunked_and_packed_masks_are_document_ids() -> None:
+    """Chunks count from each row's first token (after its left padding); packed sequences keep
+    their ids; padding keys get no document; static caches are refused."""
+    left_padding = torch.tensor([0, 2])
+    chunked = mu.chunked_causal_mask_function(3, left_padding)
+    pad = torch.ones(2, 8, dtype=torch.bool)
+    pad[1, :2] = False
+    ids = mask_of(batch_size=2, q_length=8, kv_length=8, mask_function=chunked, attention_mask=pad)
+    none = nft._NO_DOCUMENT
+    assert ids.dtype == torch.int32 and ids.shape == (2, 1, 1, 8)
+    assert ids[:, 0, 0].tolist() == [[0, 0, 0, 1, 1, 1, 2, 2], [none, none, 0, 0, 0, 1, 1, 1]]
+    decode = mask_of(batch_size=2, q_length=1, kv_length=9, q_offset=8, mask_function=chunked,
+                     attention_mask=torch.cat([pad, torch.ones(2, 1, dtype=torch.bool)], 1))
+    assert decode[:, 0, 0, -1].tolist() == [2, 2]
+    with pytest.raises(NotImplementedError, match="static caches"):
+        mask_of(batch_size=2, q_length=1, kv_length=12, q_offset=torch.tensor(8), mask_function=chunked)
+    sequences = torch.tensor([[0, 0, 0, 1, 1, 2]])
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0]])
+    packed = mu.and_masks(mu.remap_positions_for_packed_sequence(mu.causal_mask_function, positions),
+                          mu.packed_sequence_mask_function(sequences))
+    assert mask_of(batch_size=1, q_length=6, kv_length=6, mask_function=packed)[0, 0, 0].tolist() == [0, 0, 0, 1, 1, 2]
+
+
+def test_llama4_chunked_attention_matches_sdpa() -> None:
+    """Llama-4's chunked layers (each query sees the keys of its own chunk of 8 positions, counted
+    from the row's first token) beside its global layers, with left padding: logits, generated
+    tokens crossing chunk boundaries, and every gradient equal transformers' sdpa."""
+    from transformers import Llama4TextConfig
+
+    cfg = Llama4TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, intermediate_size_mlp=128,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                           max_position_embeddings=256, attention_chunk_size=8, num_local_experts=2,
+                           interleave_moe_layer_step=2, no_rope_layers=[1, 0], pad_token_id=0, bos_token_id=1,
+                           eos_token_id=2)
+    ref, ours = _pair(cfg, "sdpa")
+    _check_logits(ref, ours, padded=True)
+    _check_generate(ref, ours)
+    ids, mask = _inputs(True)
+    weights = torch.randn(2, PROMPT, 128, generator=torch.Generator().manual_seed(5)) * mask[..., None]
+    for model in (ours, ref):
+        model.zero_grad()
+        (model(ids, attention_mask=mask).logits.float() * weights).sum().backward()
+    for (name, a), b in zip(ours.named_parameters(), ref.parameters()):
+        if b.grad is not None:
+            torch.testing.assert_close(a.grad, b.grad, atol=2e-4, rtol=2e-3, msg=name)
+
+
+def test_packed_sequences_match_sdpa(llama: tuple[torch.nn.Module, torch.nn.Module]) -> None:
+    """Three sequences packed into one row (position_ids restarting, no attention_mask, as
+    DataCollatorWithFlattening gives them): each sees only itself, as sdpa's packed mask does, and
+    the logits equal those of the sequences run one by one."""
+    ref, ours = llama
+    ids = torch.randint(0, 128, (1, PROMPT), generator=torch.Generator().manual_seed(6))
+    lengths = (10, 8, 6)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    with torch.no_grad():
+        got = ours(ids, position_ids=positions, use_cache=False).logits  # transformers packs without a cache only
+        want = ref(ids, position_ids=positions, use_cache=False).logits
+        alone = torch.cat([ref(part).logits for part in ids.split(lengths, dim=1)], 1)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    torch.testing.assert_close(got, alone, atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("kind", ["bool_keys", "bool_full", "float_full"])

@@ -151,7 +151,8 @@ def _broadcast_to(x: SymTensor, like: SymTensor, what: str) -> SymTensor:
 class Builtins(NamedTuple):
     """Masks and score changes the caller describes by value instead of by a function (transformers
     models, BlockMasks): tuples of constants, so torch.compile can treat them as constants, with the
-    tensors they read passed as `extras` (in this order: block tables, key padding, a given mask)."""
+    tensors they read passed as `extras` (in this order: block tables, key padding, document ids, a
+    given mask)."""
 
     causal_end: bool = False  # query i sits at key position Lk - Lq + i and sees keys up to it
     # with causal_end, only the `window` keys ending at the query's position; without, the keys
@@ -159,6 +160,7 @@ class Builtins(NamedTuple):
     window: int | None = None
     softcap: float | None = None  # score -> softcap * tanh(score / softcap)
     padding: bool = False  # extras hold a (B, Lk) bool key-padding mask: True = attend
+    documents: bool = False  # extras hold (B, Lk) integer ids: a query sees the keys with its own position's id
     block: tuple[int, int, bool] | None = None  # (q block, kv block, has full lists): extras hold BlockMask tables
     # extras hold a 4-D mask (B or 1, H or 1, Lq or 1, Lk): ("mask", ...) bool, True = attend, or
     # ("bias", ...) added to the scores; then whether its batch, head and query axes are whole (not 1)
@@ -211,6 +213,9 @@ def _body(score_mod: ScoreMod | None, mask_mod: MaskMod | None, builtins: Builti
                 keep = _and(keep, _mask_of(kv_idx - position < builtins.window, tracer))
         if builtins.padding:
             keep = _and(keep, _mask_of(rest.pop(0)[b, kv_idx], tracer))
+        if builtins.documents:
+            ids = rest.pop(0)
+            keep = _and(keep, _mask_of(ids[b, position] == ids[b, kv_idx], tracer))
         if builtins.given is not None:
             kind, whole_b, whole_h, whole_q = builtins.given
             at = rest.pop(0)[b if whole_b else 0, h if whole_h else 0, q_idx if whole_q else 0, kv_idx]
@@ -1245,8 +1250,9 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score
 
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, scale: float | None = None,
            enable_gqa: bool = False, causal: bool = False, window: int | None = None, softcap: float | None = None,
-           key_padding: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-           bias: torch.Tensor | None = None, return_lse: bool = False, schedule: Schedule | None = None) -> Any:
+           key_padding: torch.Tensor | None = None, documents: torch.Tensor | None = None,
+           mask: torch.Tensor | None = None, bias: torch.Tensor | None = None, return_lse: bool = False,
+           schedule: Schedule | None = None) -> Any:
     """Attention described by values, as model code asks for it (transformers models): no functions
     to trace, so it compiles the same inside and outside torch.compile.
 
@@ -1254,7 +1260,9 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, scale
     prefill and decode over a KV cache alike); `window=W` also drops keys W or more positions
     before the query (with causal) or on either side of it (without: a bidirectional band, as
     ModernBERT's local layers); `softcap=c` maps the scaled score s to c * tanh(s / c);
-    `key_padding` (B, Lk) bool, True where the key is attended; `mask` (bool, True where attended)
+    `key_padding` (B, Lk) bool, True where the key is attended; `documents` (B, Lk) integer ids,
+    each query seeing only the keys whose id is the one at its own key position (packed sequences,
+    chunked attention); `mask` (bool, True where attended)
     or `bias` (float, added to the softcapped scores), each of shape (B or 1, H or 1, Lq or 1, Lk),
     on top of the rest. Shapes as in `attention`.
 
@@ -1267,9 +1275,10 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, scale
     lean_key = None
     if not torch.compiler.is_compiling():
         flags = ("attend", bool(enable_gqa), bool(return_lse), bool(causal), (type(window), window),
-                 (type(softcap), softcap), key_padding is None, mask is None, bias is None)
+                 (type(softcap), softcap), key_padding is None, documents is None, mask is None, bias is None)
         lean_key = _lean_key(None, None, flags, schedule, scale)
-        result = _lean_hit(lean_key, query, key, value, tuple(t for t in (key_padding, mask, bias) if t is not None))
+        given_tensors = tuple(t for t in (key_padding, documents, mask, bias) if t is not None)
+        result = _lean_hit(lean_key, query, key, value, given_tensors)
         if result is not None:
             return result
     if window is not None:
@@ -1287,6 +1296,13 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, scale
             raise ValueError(f"key_padding must have shape (batch, kv_len) = {(query.shape[0], key.shape[2])}, "
                              f"got {tuple(key_padding.shape)}")
         extras = (key_padding,)
+    if documents is not None:
+        if not isinstance(documents, torch.Tensor) or documents.is_floating_point() or documents.dtype == torch.bool:
+            raise TypeError("documents must be an integer tensor (B, Lk) of ids")
+        if tuple(documents.shape) != (query.shape[0], key.shape[2]):
+            raise ValueError(f"documents must have shape (batch, kv_len) = {(query.shape[0], key.shape[2])}, "
+                             f"got {tuple(documents.shape)}")
+        extras = (*extras, documents)
     given = None
     if mask is not None and bias is not None:
         raise ValueError("give a bool mask or a float bias, not both (fold the mask into the bias as -inf)")
@@ -1294,7 +1310,8 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, scale
         if t is not None:
             given = (name, *_given_axes(name, t, query, key))
             extras = (*extras, t)
-    builtins = Builtins(bool(causal), window, softcap, key_padding is not None, given=given)
+    builtins = Builtins(bool(causal), window, softcap, key_padding is not None, documents=documents is not None,
+                        given=given)
     request = _Request(None, None, builtins, Outputs(lse=bool(return_lse)), bool(enable_gqa), schedule)
     out, *stats = _call(query, key, value, request, extras, scale, lean_key)
     return (out, stats[0]) if return_lse else out

@@ -11,23 +11,29 @@ have no mask function, which would drop the padding mask). Supported: causal att
 to the end of the keys (prefill and decode over a KV cache), bidirectional attention
 (`module.is_causal` False, e.g. encoders and cross-attention), padding from the 2-D
 `attention_mask` (left or right), sliding windows (transformers' convention: query at position q
-sees key k iff 0 <= q - k < sliding_window), logit softcapping, grouped-query heads, dynamic and
-static caches, and `torch.compile(fullgraph=True)` (nothing here reads tensor values while
-compiling), 4-D bool or float masks given to the model (read as sdpa reads them). Not supported,
-with an error naming it: dropout in training mode, mask patterns other than causal / sliding /
-bidirectional (chunked attention, packed sequences, `or_mask_function` / `and_mask_function`
-overlays). Position biases (T5's `position_bias`) are added to the scores. Attention sinks (`s_aux`, gpt-oss)
-rescale the output by the log-normaliser (`_sunk`). The pattern is recognised from the mask function outside
-tracing only: under torch.compile the overlays are still refused and chunked attention is
-refused from the config, but packed sequences (position_ids restarting inside a row, no
-attention_mask, no cache) are not seen and would run as plain causal attention: pass an
-attention_mask when compiling such inputs. `output_attentions=True` warns and returns no
+sees key k iff 0 <= q - k < sliding_window; bidirectional bands |q - k| < sliding_window),
+chunked attention (Llama-4) and packed sequences (position_ids restarting inside a row, no
+attention_mask, no cache: transformers detects them) as document ids, logit softcapping,
+grouped-query heads, dynamic and static caches, and `torch.compile(fullgraph=True)` (nothing here
+reads tensor values while compiling), 4-D bool or float masks given to the model (read as sdpa
+reads them). Position biases (T5's `position_bias`) are added to the scores; attention sinks
+(`s_aux`, gpt-oss) rescale the output by the log-normaliser (`_sunk`). Not supported, with an
+error naming it: dropout in training mode, `or_mask_function` / `and_mask_function` overlays
+(image tokens), chunked attention or packed sequences over a static cache. The pattern is
+recognised from the mask function outside tracing only: under torch.compile the overlays are
+still refused and chunked attention is refused from the config, but packed sequences are not
+seen and would run as plain causal attention: pass an attention_mask when compiling such inputs.
+`output_attentions=True` warns and returns no
 weights, as transformers' sdpa does. Training runs the derived backward (README, Training).
 
 What the mask function returns (the model hands it to every layer as `attention_mask`):
 - `None` when no key is masked beyond the causal/window pattern;
 - a uint8 tensor (B, 1, 1, Lk), 1 where the key may be attended, 0 padding, when the keys end
   where the queries end (no cache, dynamic caches), so `attend`'s end-aligned causal mask is right;
+- an int32 tensor (B, 1, 1, Lk) of document ids for packed sequences (position_ids restarting
+  inside a row) and chunked attention (Llama-4: the chunk of each key's position, counted from the
+  row's first token), `_NO_DOCUMENT` on padding keys: a query sees the keys that share the id at
+  its own position (`attend`'s `documents`);
 - an int8 tensor (B, 1, 1, Lk) for causal masks whose keys may not end at the last query (static
   caches: unwritten slots follow the last query, and the query offset is a tensor there):
   1 attend, 0 padding, -1 a slot after the last query. The attention function then rotates those
@@ -43,7 +49,7 @@ the whole mask, as sdpa reads it (no causal part added; `_given_mask_attention`)
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from transformers import AttentionInterface
@@ -62,6 +68,7 @@ _logger = logging.get_logger(__name__)
 _ATTEND = 1  # int8 mask states
 _PADDING = 0
 _UNWRITTEN = -1
+_NO_DOCUMENT = -(2**31)  # the document id of a padding key
 
 
 # --------------------------------------------------------------------------- mask interface
@@ -71,24 +78,65 @@ def _qualname(fn: Any) -> str:
     return getattr(fn, "__qualname__", type(fn).__name__)
 
 
-def _pattern(mask_function: Any) -> str | None:
-    """'causal', 'sliding', 'bidirectional', 'bidirectional_sliding' for the mask functions
-    transformers' masking_utils builds for plain models, None for anything else."""
+class _Pattern(NamedTuple):
+    """A mask function transformers' masking_utils builds, read back: its base pattern ('causal',
+    'sliding', 'bidirectional', 'bidirectional_sliding'), and the chunks (size, each row's left
+    padding) or the packed sequences' ids (B, L) that split it into documents."""
+
+    base: str
+    chunk: tuple[int, torch.Tensor] | None = None
+    packed: torch.Tensor | None = None
+
+
+def _closure(fn: Any) -> dict[str, Any]:
+    try:
+        return dict(inspect.getclosurevars(fn).nonlocals)
+    except (TypeError, ValueError):
+        return {}
+
+
+def _pattern(mask_function: Any) -> _Pattern | None:
+    """The pattern of the mask functions masking_utils builds for plain models, None for anything else."""
     if mask_function is mu.causal_mask_function:
-        return "causal"
+        return _Pattern("causal")
     if mask_function is mu.bidirectional_mask_function:
-        return "bidirectional"
-    if _qualname(mask_function) == "and_masks.<locals>.and_mask":
-        try:
-            parts = inspect.getclosurevars(mask_function).nonlocals.get("mask_functions", ())
-        except (TypeError, ValueError):
+        return _Pattern("bidirectional")
+    if _qualname(mask_function) != "and_masks.<locals>.and_mask":
+        return None
+    parts = {_qualname(p): p for p in _closure(mask_function).get("mask_functions", ())}
+    names = sorted(parts)
+    if names == sorted(["causal_mask_function", "sliding_window_overlay.<locals>.inner_mask"]):
+        return _Pattern("sliding")
+    if names == sorted(["bidirectional_mask_function", "sliding_window_bidirectional_overlay.<locals>.inner_mask"]):
+        return _Pattern("bidirectional_sliding")
+    if names == sorted(["causal_mask_function", "chunked_overlay.<locals>.inner_mask"]):
+        chunk = _closure(parts["chunked_overlay.<locals>.inner_mask"])
+        return _Pattern("causal", chunk=(int(chunk["chunk_size"]), chunk["left_padding"]))
+    remap, packed = "remap_positions_for_packed_sequence.<locals>.inner_mask", "packed_sequence_mask_function.<locals>.inner_mask"
+    if names == sorted([remap, packed]):
+        # positions remapped per sequence keep their order inside it: the base pattern on the
+        # packed row's own positions, within each sequence
+        base = _pattern(_closure(parts[remap]).get("mask_function"))
+        if base is None or base.chunk is not None:
             return None
-        names = sorted(_qualname(p) for p in parts)
-        if names == sorted(["causal_mask_function", "sliding_window_overlay.<locals>.inner_mask"]):
-            return "sliding"
-        if names == sorted(["bidirectional_mask_function", "sliding_window_bidirectional_overlay.<locals>.inner_mask"]):
-            return "bidirectional_sliding"
+        return base._replace(packed=_closure(parts[packed]).get("packed_sequence_mask"))
     return None
+
+
+def _document_ids(pattern: _Pattern, batch_size: int, kv_length: int, kv_offset: int, padding: torch.Tensor | None,
+                  device: Any) -> torch.Tensor:
+    """(B, 1, 1, Lk) int32: the chunk of each key's position counted from its row's first token, or
+    its packed sequence's id; `_NO_DOCUMENT` on padding keys."""
+    if pattern.chunk is not None:
+        size, left_padding = pattern.chunk
+        positions = torch.arange(kv_offset, kv_offset + kv_length, device=device)
+        ids = torch.div(positions[None, :] - left_padding.to(device).reshape(-1, 1), size, rounding_mode="floor")
+    else:
+        ids = pattern.packed.to(device)[:, kv_offset:kv_offset + kv_length]
+    ids = ids.expand(batch_size, kv_length).to(torch.int32)
+    if padding is not None:
+        ids = torch.where(padding, ids, _NO_DOCUMENT)
+    return ids[:, None, None, :].contiguous()
 
 
 def mask(batch_size: int, q_length: int | None = None, kv_length: int | None = None,
@@ -121,22 +169,24 @@ def mask(batch_size: int, q_length: int | None = None, kv_length: int | None = N
             "neptune_fusion attention supports causal, sliding-window and bidirectional masks with padding; this "
             "model overlays its own mask function (or_mask_function / and_mask_function, e.g. for image tokens). "
             "Use attn_implementation='sdpa' or 'eager' for it.")
-    if getattr(kwargs.get("config"), "attention_chunk_size", None) is not None:
+    tracing = is_tracing(attention_mask) or torch.compiler.is_compiling()
+    if tracing and getattr(kwargs.get("config"), "attention_chunk_size", None) is not None:
         # chunked attention (Llama-4): refused from the config, which is readable while torch.compile traces
         # (the mask function, a closure made in the traced forward, is not)
         raise NotImplementedError(
-            "neptune_fusion attention supports causal, sliding-window and bidirectional masks with padding; this "
-            "model's config asks for chunked attention (attention_chunk_size). Use attn_implementation='sdpa' or "
-            "'eager' for it.")
+            "neptune_fusion attention reads chunked attention (attention_chunk_size) from transformers' mask "
+            "function, which cannot be inspected under torch.compile. Run the model eagerly, or use "
+            "attn_implementation='sdpa' or 'eager' for it.")
     bidirectional = "allow_is_bidirectional_skip" in kwargs
-    if mask_function is not None and not is_tracing(attention_mask):
+    pattern = None
+    if mask_function is not None and not tracing:
         pattern = _pattern(mask_function)
         if pattern is None:
             raise NotImplementedError(
-                f"neptune_fusion attention supports causal, sliding-window and bidirectional masks with padding; "
-                f"this model builds the mask pattern {_qualname(mask_function)!r} (chunked attention, packed "
-                f"sequences or block overlays). Use attn_implementation='sdpa' or 'eager' for it.")
-        bidirectional = pattern.startswith("bidirectional")
+                f"neptune_fusion attention supports causal, sliding-window, bidirectional, chunked and packed-sequence "
+                f"masks with padding; this model builds the mask pattern {_qualname(mask_function)!r} (block "
+                f"overlays, or a combination of these). Use attn_implementation='sdpa' or 'eager' for it.")
+        bidirectional = pattern.base.startswith("bidirectional")
     elif mask_function is not None:
         bidirectional = bidirectional or mask_function is mu.bidirectional_mask_function
 
@@ -154,6 +204,13 @@ def mask(batch_size: int, q_length: int | None = None, kv_length: int | None = N
             padding = None
 
     end_aligned = isinstance(q_offset, int) and kv_offset + kv_length == q_offset + q_length
+    if pattern is not None and (pattern.chunk is not None or pattern.packed is not None):
+        if not (bidirectional or end_aligned):
+            raise NotImplementedError(
+                "neptune_fusion attention supports chunked attention and packed sequences over keys that end at the "
+                "last query (no cache, dynamic caches), not static caches. Use a dynamic cache, or "
+                "attn_implementation='sdpa' or 'eager'.")
+        return _document_ids(pattern, batch_size, kv_length, kv_offset, padding, device)
     if bidirectional or end_aligned:
         return None if padding is None else padding[:, None, None, :].to(torch.uint8)
     # Causal over keys that may not end at the last query: mark the slots after it.
@@ -167,10 +224,12 @@ def mask(batch_size: int, q_length: int | None = None, kv_length: int | None = N
 # --------------------------------------------------------------------------- attention interface
 
 
-def _key_padding(attention_mask: Any, batch: int, kv_len: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(key padding (B, Lk) bool or None, the int8 static-cache mask or None) of the mask a layer gets."""
+def _key_padding(attention_mask: Any, batch: int, kv_len: int
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(key padding (B, Lk) bool or None, the int8 static-cache mask or None, document ids (B, Lk)
+    or None) of the mask a layer gets."""
     if attention_mask is None:
-        return None, None
+        return None, None, None
     if not isinstance(attention_mask, torch.Tensor):
         raise TypeError(f"neptune_fusion attention got an attention_mask of type {type(attention_mask).__name__}; "
                         "it needs the mask its own mask function builds (register() installs it)")
@@ -182,19 +241,22 @@ def _key_padding(attention_mask: Any, batch: int, kv_len: int) -> tuple[torch.Te
     if attention_mask.shape[-1] != kv_len:
         raise ValueError(f"the attention mask covers {attention_mask.shape[-1]} keys, the layer has {kv_len}")
     state = attention_mask[:, 0, 0, :]
+    if attention_mask.dtype == torch.int32:  # document ids; padding keys stay out of every row, their own too
+        ids = state.expand(batch, kv_len).contiguous()
+        return ids != _NO_DOCUMENT, None, ids
     padding = state > _PADDING
     if attention_mask.dtype == torch.uint8:  # keys end at the last query: nothing to rotate
         state = None
     if padding.shape[0] != batch:
         padding = padding.expand(batch, kv_len)
-    return padding.contiguous(), state
+    return padding.contiguous(), state, None
 
 
 def _ours(attention_mask: torch.Tensor) -> bool:
-    """Whether a layer's mask is one `mask` built (uint8 or int8, (B, 1, 1, Lk)); a model's caller
+    """Whether a layer's mask is one `mask` built (uint8, int8 or int32, (B, 1, 1, Lk)); a model's caller
     passes bool or float 4-D masks, which transformers hands to the layers as they are."""
     return (attention_mask.ndim == 4 and attention_mask.shape[1] == 1 and attention_mask.shape[2] == 1
-            and attention_mask.dtype in (torch.uint8, torch.int8))
+            and attention_mask.dtype in (torch.uint8, torch.int8, torch.int32))
 
 
 def _given_mask_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, given: torch.Tensor,
@@ -248,7 +310,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if isinstance(attention_mask, torch.Tensor) and not _ours(attention_mask):
         given = _biased(attention_mask, position_bias)
         return _given_mask_attention(query, key, value, given, scaling, softcap, sinks), None
-    padding, state = _key_padding(attention_mask, batch, lk)
+    padding, state, documents = _key_padding(attention_mask, batch, lk)
     if state is not None and is_causal and (lq > 1 or window is not None):
         # Static cache: the written keys are followed by unwritten slots (state -1, the same in every
         # row). Rotate those slots to the front so the written keys end at the last query.
@@ -257,7 +319,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         key, value = key.index_select(2, order), value.index_select(2, order)
         padding = padding.index_select(1, order.to(padding.device))
     out = attend(query, key, value, scale=scaling, enable_gqa=hq != hkv, causal=is_causal, window=window,
-                 softcap=softcap, key_padding=padding, bias=position_bias, return_lse=sinks is not None)
+                 softcap=softcap, key_padding=padding, documents=documents, bias=position_bias,
+                 return_lse=sinks is not None)
     return _sunk(out, sinks).transpose(1, 2).contiguous(), None
 
 
