@@ -434,6 +434,52 @@ def test_binary_cross_entropy(reduction: str, randn: Callable[..., torch.Tensor]
     check(lambda x, t: F.binary_cross_entropy_with_logits(x, t, reduction=reduction), x, t, atol=1e-4)
 
 
+# --------------------------------------------------------------------------- slices and concatenation
+
+
+def _rotate_half(x: Any) -> Any:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def test_slices_and_concatenation(randn: Callable[..., torch.Tensor]) -> None:
+    x, y, w = randn(8, 24), randn(8, 24), randn(12, 5)
+    check(lambda x, y: (x[:, :12].sum(-1), x[:, 1::3] * y[:, ::3], x[2:6].amax(-1), x[:, 3] + y[1].sum(), x[-1] * 2,
+                        torch.softmax(x[:, 4:20], -1)), x, y)
+    check(lambda x, w: (F.glu(x, -1) @ w, x[:, 6:18] @ w), x, w)
+    check(lambda x, y: (x * 0.5 + _rotate_half(x) * y, torch.cat([x, y, x], 0).sum(0),
+                        torch.cat([x[:, :5], y[:, :3]], 1).amax(-1)), x, y)
+    check(lambda x, y: (sum(p.sum(-1) for p in x.split([5, 7, 12], dim=1)), x.split(10, dim=1)[-1].mean(-1),
+                        x.narrow(1, 3, 9).sum(), x.select(0, 2) + y[3], sum(x[:3].unbind(0)),
+                        x.chunk(5, dim=1)[-1].sum(-1)), x, y)
+    check(lambda x, y: (torch.stack([x, y], 0).sum(0), torch.stack([x, y], -1).amax(-1),
+                        x[:, None, :].expand(8, 3, 24).sum(1), x.sum(-1, keepdim=True).expand(-1, 24) * y,
+                        torch.broadcast_to(x[0], (5, 24))), x, y)
+    with pytest.raises(IndexError, match="out of bounds"):
+        nf.compile(lambda x: x[:, 30])(x)
+    with pytest.raises(ValueError, match="empty"):
+        nf.compile(lambda x: x[:, 30:])(x)
+
+
+def test_slices_of_reductions(randn: Callable[..., torch.Tensor]) -> None:
+    """A slice of a reduction's result (a matmul's columns, a softmax's every other value) reads it
+    at other positions than a kernel holds: an earlier kernel writes it (schedule/partition.py)."""
+    x, w = randn(8, 24), randn(24, 10)
+    check(lambda x, w: (x @ w)[:, 2:5].exp(), x, w)
+    check(lambda x: torch.softmax(x, -1)[:, ::2].sum(-1), x)
+    check(lambda x: torch.cat([x.amax(-1, keepdim=True), x.sum(-1, keepdim=True)], -1), x)
+
+
+def test_slices_and_concatenation_gradients(randn: Callable[..., torch.Tensor]) -> None:
+    """The gradient of a slice lands on the slice (a shifted read where the slice meets another
+    dimension of its length: SwiGLU's halves before a matmul); a concatenation's on each part."""
+    x, y, w = randn(8, 24), randn(8, 24), randn(12, 5)
+    check_grad(lambda x, w: (lambda a, b: F.silu(a) * b)(*x.chunk(2, -1)) @ w, x, w)
+    check_grad(lambda x, y: (x * 0.5 + _rotate_half(x) * y).sum(-1), x, y)
+    check_grad(lambda x, y: torch.softmax(x[:, 4:20], -1) * y[:, 2:18], x, y)
+    check_grad(lambda x, y: (x[:, 1::3] * y[:, ::3]).sum(-1) + torch.cat([x, y], 0).amax(0).sum(), x, y)
+
+
 # --------------------------------------------------------------------------- refused, with reasons
 
 

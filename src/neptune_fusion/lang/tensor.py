@@ -191,11 +191,13 @@ class SymTensor:
         x = self if dtype is None else cast(self, dtype)
         return reduce_axes("sum", x, _axes_arg(axis, dim), _keep_arg(keepdims, keepdim))
 
-    def max(self, axis: Axes = None, keepdims: bool = False, *, dim: Axes = None, keepdim: bool | None = None) -> SymTensor:
-        return extremum("max", self, _axes_arg(axis, dim), _keep_arg(keepdims, keepdim))
+    # `axis=` / `keepdims=` (numpy's spelling) give the values; torch's spellings (`x.max(-1)`,
+    # `dim=`) give values that also read as torch's (values, indices) pair (`Extremum`)
+    def max(self, *args: Any, **kwargs: Any) -> SymTensor:
+        return _max_min("max", self, args, kwargs)
 
-    def min(self, axis: Axes = None, keepdims: bool = False, *, dim: Axes = None, keepdim: bool | None = None) -> SymTensor:
-        return extremum("min", self, _axes_arg(axis, dim), _keep_arg(keepdims, keepdim))
+    def min(self, *args: Any, **kwargs: Any) -> SymTensor:
+        return _max_min("min", self, args, kwargs)
 
     def mean(self, axis: Axes = None, keepdims: bool = False, *, dim: Axes = None, keepdim: bool | None = None,
              dtype: object = None) -> SymTensor:
@@ -245,17 +247,20 @@ class SymTensor:
                 source = source[take:]
             elif isinstance(k, slice) and k == slice(None):
                 dims.append(source.pop(0))
-            elif isinstance(k, int) and not isinstance(k, bool) and k in (0, -1) and (
-                source[0] is None or source[0].find().size == 1
-            ):
-                dropped = source.pop(0)
-                if dropped is not None:
-                    from neptune_fusion.ir.expr import substitute_index
-
-                    expr = substitute_index(expr, {dropped.var: Const(0)})
+            elif isinstance(k, slice):
+                dim = source.pop(0)
+                kept, expr = sliced_axis(expr, dim, k, self.tracer)
+                dims.append(kept)
+            elif isinstance(k, int) and not isinstance(k, bool):
+                dim = source.pop(0)
+                size = 1 if dim is None else dim.find().size
+                if not -size <= k < size:
+                    raise IndexError(f"index {k} is out of bounds for a dimension of size {size}")
+                if dim is not None:
+                    expr = _axis_read_at(expr, dim, Const(k % size), self.tracer)
             else:
                 raise TypeError(
-                    "symbolic tensors support indexing only with ':', '...', None and 0 on a size-1 dim "
+                    "symbolic tensors support indexing with ints, slices, ':', '...' and None "
                     f"(got {k!r}); write gathers as loads of an index expression"
                 )
         dims.extend(source)
@@ -482,6 +487,89 @@ def reduce_axes(op: str, x: SymTensor, axis: Axes, keepdims: bool) -> SymTensor:
     return result
 
 
+def _axis_read_at(expr: Expr, dim: Dim, position: Expr, tracer: object) -> Expr:
+    """`expr` with the axis of `dim` (its own index variable and those unified with it) read at `position`."""
+    from neptune_fusion.ir.expr import substitute_index
+    from neptune_fusion.lang.ops import same_axis_vars, tracer_dims
+
+    return substitute_index(expr, {v: position for v in same_axis_vars(expr, dim, tracer_dims(tracer))})
+
+
+def constant_dim(size: int, hint: str, tracer: object) -> Dim:
+    """A new dimension of a size fixed when tracing (a slice's, a concatenation's): the program
+    records it as a derived axis of that constant size."""
+    dim = Dim(size, hint)
+    for attribute in ("extra_dims", "constant_dims"):
+        if getattr(tracer, attribute, None) is None:
+            setattr(tracer, attribute, [])
+        getattr(tracer, attribute).append(dim)
+    return dim
+
+
+def sliced_axis(expr: Expr, dim: Dim | None, key: slice, tracer: object) -> tuple[Dim | None, Expr]:
+    """The dimension and expression of `x[..., key, ...]` along `dim`: a new dimension of the
+    slice's length, read at `start + step * i` (a view; no data moves)."""
+    size = 1 if dim is None else dim.find().size
+    start, stop, step = key.indices(size)
+    length = len(range(start, stop, step))
+    if step < 0:
+        raise ValueError("symbolic tensors do not support negative slice steps (torch does not either)")
+    if length == 0:
+        raise ValueError(f"the slice {key} of a dimension of size {size} is empty; empty tensors are not supported")
+    if length == size:
+        return dim, expr
+    if dim is None:  # unreachable: a size-1 dim's non-empty slice is whole
+        raise AssertionError(key)
+    new = constant_dim(length, f"{dim.hint}[{start}:{stop}:{step}]", tracer)
+    position: Expr = Index(new.var)
+    if step != 1:
+        position = Binary("mul", position, Const(step))
+    if start:
+        position = Binary("add", position, Const(start))
+    return new, _axis_read_at(expr, dim, position, tracer)
+
+
+def concatenate(parts: Sequence[SymTensor], axis: int) -> SymTensor:
+    """`parts` joined along `axis` (torch.cat): a new dimension of their summed lengths; position j
+    reads the part whose range holds it (a select over the parts, each read at j - its offset,
+    taken modulo its length so the reads not selected stay inside it). Other axes broadcast.
+
+    Example:
+        >>> import torch, neptune_fusion as nf
+        >>> rotate_half = nf.compile(lambda x: torch.cat((-x[..., 4:], x[..., :4]), dim=-1))
+        >>> x = torch.randn(3, 8)
+        >>> torch.equal(rotate_half(x), torch.cat((-x[..., 4:], x[..., :4]), dim=-1))
+        True
+    """
+    if not parts:
+        raise ValueError("torch.cat needs at least one tensor")
+    tracer = _tracer_of(*parts)
+    tensors = [lift(p, tracer) for p in parts]
+    ndim = tensors[0].ndim
+    if any(t.ndim != ndim for t in tensors) or ndim == 0:
+        raise ValueError(f"torch.cat: the tensors must have the same number of dims (>= 1), got "
+                         f"{[t.ndim for t in tensors]}")
+    axis = _norm_axis(axis, ndim)
+    lengths = [t.shape[axis] for t in tensors]
+    if len(tensors) == 1:
+        return tensors[0]
+    joined = constant_dim(sum(lengths), "cat", tracer)
+    j: Expr = Index(joined.var)
+    placed, offset = [], 0
+    for t, n in zip(tensors, lengths):
+        dim = t.dims[axis]
+        expr = t.expr if dim is None else _axis_read_at(
+            t.expr, dim, Binary("mod", Binary("sub", j, Const(offset)), Const(n)), tracer)
+        offset += n
+        placed.append((SymTensor(t.dims[:axis] + (joined,) + t.dims[axis + 1:], expr, tracer, t.kind), offset))
+    result = placed[-1][0]
+    for part, end in reversed(placed[:-1]):
+        below = SymTensor(tuple(joined if i == axis else None for i in range(ndim)), Binary("lt", j, Const(end)),
+                          tracer, "bool")
+        result = where(below, part, result)
+    return result
+
+
 _NO_INDICES = ("the indices of a max / min (their positions, argmax / argmin) are not supported on symbolic tensors: "
                "reductions give values; use `.values`, or torch.amax / torch.amin")
 
@@ -501,8 +589,9 @@ class NoIndices:
 
 
 class Extremum(SymTensor):
-    """The values of `x.max(dim)` / `x.min(dim)` (a SymTensor), which also read as torch's
-    (values, indices) pair: `.values`, `[0]` and unpacking give the values, the indices raise."""
+    """The values of `x.max(dim)` / `x.min(dim)` in torch's spelling (a SymTensor), which also read
+    as torch's (values, indices) pair: `.values`, `[0]` and unpacking give the values, the indices
+    raise. numpy's spelling (`x.max(axis=-1)`) gives plain values, indexed as any tensor."""
 
     @property
     def values(self) -> SymTensor:
@@ -521,6 +610,25 @@ class Extremum(SymTensor):
 
     def __iter__(self) -> Any:
         return iter((self.values, NoIndices()))
+
+
+def _max_min(op: str, x: SymTensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> SymTensor:
+    """`x.max(...)` / `x.min(...)`: (axis=None, keepdims=False) or torch's (dim, keepdim=False)."""
+    numpy_style = "axis" in kwargs or "keepdims" in kwargs
+    named = dict(kwargs)
+    if len(args) > 2:
+        raise TypeError(f"{op}() takes at most 2 positional arguments ({len(args)} given)")
+    if args:
+        if "axis" in named or "dim" in named:
+            raise TypeError(f"{op}() got multiple values for its axis")
+        named["dim"] = args[0]
+    if len(args) > 1:
+        named["keepdim"] = args[1]
+    axis = _axes_arg(named.pop("axis", None), named.pop("dim", None))
+    keep = _keep_arg(named.pop("keepdims", False), named.pop("keepdim", None))
+    if named:
+        raise TypeError(f"{op}() got unexpected keyword arguments {sorted(named)}")
+    return reduce_axes(op, x, axis, keep) if numpy_style else extremum(op, x, axis, keep)
 
 
 def extremum(op: str, x: SymTensor, axis: Axes, keepdims: bool) -> SymTensor:

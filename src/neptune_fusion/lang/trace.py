@@ -223,12 +223,15 @@ def _finalize(
         if st.name in needed:
             kept.append(st)
             needed |= st.reads()
+    # dims of a size fixed while tracing (slices, concatenations): derived axes of that size, also
+    # where they meet an input's dimension (the backward tells a slice's axis by it)
+    derived = {names[d.var]: ("const", d.find().size, None) for d in getattr(tracer, "constant_dims", ())}
     for st in kept:
         for a in (*st.axes, *(n.axis for n in walk(st.body) if isinstance(n, Size))):
-            if a not in axis_sizes:
+            if a not in axis_sizes and a not in derived:
                 raise ValueError(f"stage {st.name!r}: axis {a!r} is not a dimension of any input, so its size is "
                                  "unknown (a repeat_interleave dimension must meet an input dimension of that size)")
-    prog = Program(name, inputs, tuple(params), tuple(reversed(kept)), outs, axis_sizes, param_kinds)
+    prog = Program(name, inputs, tuple(params), tuple(reversed(kept)), outs, axis_sizes, param_kinds, derived)
     prog.validate()
     return prog
 

@@ -117,6 +117,25 @@ def _wide_outputs(program: Program) -> tuple[set[str], str] | None:
                   f"{axis!r}, which the fused loop's kernel cannot write")
 
 
+def _shifted_reads(program: Program) -> tuple[set[str], str] | None:
+    """(stages for a later group, why) where a stage reads a reduction at indices other than its
+    own axes (a slice's gradient reads its upstream one shifted): a kernel holds only its own
+    rows of a reduction, so an earlier kernel writes it and the readers follow in a later one."""
+    reductions = {st.name: st for st in _reductions(program)}
+    # positions computed from the axes alone (a slice's, a concatenation's); a gathered position (a
+    # target's class, read through a load) is the one-hot term the fused kernels compute themselves,
+    # and a read under another axis's name (x @ x.T's) is a reduction the chain's kernels share
+    shifted = {st.name: ld.buffer for st in program.stages if isinstance(st, Stage) for ld in walk(st.body)
+               if isinstance(ld, Load) and ld.buffer in reductions
+               and any(not isinstance(component, Index) for component in ld.index)
+               and not any(isinstance(n, Load) for component in ld.index for n in walk(component))}
+    if not shifted:
+        return None
+    readers = {st.name: transitive_reads(program, st.name) for st in program.stages if isinstance(st, Stage)}
+    late = set(shifted) | {n for n, reads in readers.items() if reads & set(shifted)}
+    return late, f"the stage(s) {sorted(shifted)} read {sorted(set(shifted.values()))} at other positions than their own"
+
+
 def partition(program: Program, long_axes: frozenset[str] = frozenset(),
               narrow: frozenset[str] = frozenset()) -> list[Group]:
     """Groups of `program` that each fit one kernel, in the order they must run. `long_axes`: the
@@ -125,7 +144,8 @@ def partition(program: Program, long_axes: frozenset[str] = frozenset(),
     floats, whose contractions leave terms constant along them to a basis sum
     (transform/distribute.py) before the program is cut."""
     program = distribute_constant_terms(program, narrow)
-    found = _apart(program) or _recomputed_per_tile(program, long_axes) or _wide_outputs(program)
+    found = (_shifted_reads(program) or _apart(program) or _recomputed_per_tile(program, long_axes)
+             or _wide_outputs(program))
     if found is None:
         return [Group(program, tuple(f"output:{j}" for j in range(len(program.outputs))))]
     late, _ = found
@@ -172,7 +192,8 @@ def why_apart(program: Program, long_axes: frozenset[str] = frozenset(),
               narrow: frozenset[str] = frozenset()) -> str | None:
     """Why `program` needs more than one kernel (None when it does not)."""
     program = distribute_constant_terms(program, narrow)
-    found = _apart(program) or _recomputed_per_tile(program, long_axes) or _wide_outputs(program)
+    found = (_shifted_reads(program) or _apart(program) or _recomputed_per_tile(program, long_axes)
+             or _wide_outputs(program))
     return None if found is None else found[1]
 
 

@@ -63,6 +63,7 @@ from neptune_fusion.ir.expr import (
     Index,
     Load,
     Reduce,
+    Size,
     Unary,
     Where,
     free_axes,
@@ -156,6 +157,16 @@ class _Reverse:
         if buffer in self.stages:
             return self.stages[buffer].axes
         return self.inputs[buffer].dims
+
+    def fixed_size(self, axis: str) -> bool:
+        """Whether `axis` has a size fixed while tracing (a slice's or a concatenation's, also where
+        it meets an input's dimension of that length)."""
+        return {**self.program.derived_axes, **self.derived}.get(axis, ("",))[0] == "const"
+
+    def same_extent(self, a: str, b: str) -> bool:
+        """Whether a frame axis `a` may stand for a buffer's axis `b` position by position: the same
+        axis, or neither of a fixed size, as aliases of one dimension (x @ x.T's) and gathers by an axis."""
+        return a == b or not (self.fixed_size(a) or self.fixed_size(b))
 
     def emit(self, base: str, axes: tuple[str, ...], body: Expr) -> str:
         name = self.fresh(base)
@@ -269,9 +280,24 @@ class _Reverse:
         for pos, (component, axis) in enumerate(zip(load.index, target_axes)):
             if axis is None:
                 continue
-            if isinstance(component, Index) and component.axis in frame and component.axis not in rename:
+            if (isinstance(component, Index) and component.axis in frame and component.axis not in rename
+                    and self.same_extent(component.axis, axis)):
                 rename[component.axis] = Index(axis)
                 kept.append(component.axis)
+            elif (shift := _affine_index(component, frame, rename, load.index, pos)) is not None:
+                # x[..., s * step + start, ...] (a slice): the gradient at the buffer's position p
+                # comes from s = (p - start) / step, where that lies on the slice
+                var, step, start = shift
+                offset = Binary("sub", Index(axis), Const(start)) if start else Index(axis)
+                source = Binary("floordiv", offset, Const(step)) if step != 1 else offset
+                on_slice = Binary("and", Binary("ge", offset, Const(0)), Binary("lt", source, Size(var)))
+                if step != 1:
+                    on_slice = Binary("and", on_slice, Binary("eq", Binary("mod", offset, Const(step)), Const(0)))
+                # read at the source taken modulo the slice's length: the reads off the slice stay inside it
+                inside = Binary("mod", source, Size(var))
+                value = Where(on_slice, substitute_index(value, {var: inside}), Const(0.0))
+                frame = tuple(a for a in frame if a != var)
+                kept.append(axis)
             elif (group := _group_index(component, frame, rename)) is not None:
                 # k[b, h // g]: the stage's axis h runs over g members of each of the buffer's
                 # positions, h = axis * g + j, so the sum over h is one over j < g (no where)
@@ -284,8 +310,19 @@ class _Reverse:
                 kept.append(axis)
             else:  # a computed index: the gradient lands where the index equals the buffer's position
                 if axis in frame:
-                    raise FusionError(PASS, stage.name, f"load of {load.buffer!r}",
-                                      f"index {pos} is computed and its axis {axis!r} is also an axis of the stage")
+                    # the stage runs over the buffer's own axis too (a concatenation that meets the
+                    # buffer it reads): that frame axis becomes a fresh one, summed over, where its
+                    # size is fixed while tracing (a sum over an axis of run-time length per element
+                    # would make the backward's work grow with that length squared)
+                    if not self.fixed_size(axis) or axis in rename or any(
+                            isinstance(r, Index) and r.axis == axis for r in rename.values()):
+                        raise FusionError(PASS, stage.name, f"load of {load.buffer!r}",
+                                          f"index {pos} is computed and its axis {axis!r} is also an axis of the stage")
+                    source = self.fresh(f"{axis}_read")
+                    self.derived[source] = ("mulc", axis, 1)  # the extent of `axis`
+                    value = substitute_index(value, {axis: Index(source)})
+                    component = substitute_index(component, {axis: Index(source)})
+                    frame = tuple(source if a == axis else a for a in frame)
                 value = Where(Binary("eq", component, Index(axis)), value, Const(0.0))
                 kept.append(axis)
         reduced = [a for a in frame if a not in rename]
@@ -351,7 +388,7 @@ class _Reverse:
         inputs += [InputBuffer(grad_name(i), program.outputs[i].dims) for i in seeds]
         outputs = tuple(OutputSpec(grads[n], self.inputs[n].dims) for n in nonzero)
         backward = Program(f"{program.name}_backward", tuple(inputs), program.params, tuple(stages), outputs,
-                           axis_sources(inputs), dict(program.param_kinds), dict(self.derived))
+                           axis_sources(inputs), dict(program.param_kinds), {**program.derived_axes, **self.derived})
         backward.validate()
         saved_order = tuple(sorted(set(saved), key=order.index))
         extra = [Stage(self.fresh(f"saved_{n}"), self.stages[n].axes,
@@ -518,6 +555,22 @@ def _active(program: Program, wrt: set[str]) -> set[str]:
         if st.name in backward:
             backward |= st.reads()
     return forward & backward
+
+
+def _affine_index(component: Expr, frame: tuple[str, ...], taken: dict[str, Expr], index: tuple[Expr, ...],
+                  pos: int) -> tuple[str, int, int] | None:
+    """(s, step, start) where `component` is `s * step + start` (either part may be absent, not both)
+    for a frame axis s not yet mapped and read by no other component of the load's `index`."""
+    step, start, node = 1, 0, component
+    if isinstance(node, Binary) and node.op == "add" and isinstance(node.b, Const) and type(node.b.value) is int:
+        node, start = node.a, node.b.value
+    if isinstance(node, Binary) and node.op == "mul" and isinstance(node.b, Const) and type(node.b.value) is int:
+        node, step = node.a, node.b.value
+    if not isinstance(node, Index) or node.axis not in frame or node.axis in taken or step < 1:
+        return None
+    if any(node.axis in free_axes(other) for i, other in enumerate(index) if i != pos):
+        return None
+    return node.axis, step, start
 
 
 def _group_index(component: Expr, frame: tuple[str, ...], taken: dict[str, Expr]) -> tuple[str, int] | None:

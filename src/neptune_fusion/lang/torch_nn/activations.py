@@ -232,6 +232,16 @@ def _lerp(start: Any, end: Any, weight: Any, *, out: Any = None) -> SymTensor:
     return binary("add", start, binary("mul", weight, binary("sub", end, start)))
 
 
+def _glu(x: Any, dim: int = -1) -> SymTensor:
+    """The first half along `dim` times the sigmoid of the second (torch.nn.functional.glu)."""
+    x = symbolic(x)
+    n = x.shape[dim]
+    if n % 2:
+        raise ValueError(f"glu: halving a dimension of odd size {n}")
+    lead = (slice(None),) * (dim % x.ndim)
+    return binary("mul", x[lead + (slice(0, n // 2),)], unary("sigmoid", x[lead + (slice(n // 2, n),)]))
+
+
 HANDLERS: dict[str, Callable[..., Any]] = {
     "relu": _relu, "silu": _silu, "gelu": _gelu, "softplus": _softplus, "mish": _mish, "elu": _elu, "selu": _selu,
     "celu": _celu, "leaky_relu": _leaky_relu, "relu6": _relu6, "hardtanh": _hardtanh, "hardsigmoid": _hardsigmoid,
@@ -240,5 +250,5 @@ HANDLERS: dict[str, Callable[..., Any]] = {
     "erf": _erf, "special_erf": _erf, "erfc": _erfc, "special_erfc": _erfc, "dropout": _dropout,
     "tanhshrink": _tanhshrink, "threshold": _threshold, "_threshold": _threshold, "softshrink": _softshrink,
     "hardshrink": _hardshrink, "rrelu": _rrelu, "prelu": _prelu, "logaddexp": _logaddexp, "hypot": _hypot,
-    "xlogy": _xlogy, "special_xlogy": _xlogy, "lerp": _lerp,
+    "xlogy": _xlogy, "special_xlogy": _xlogy, "lerp": _lerp, "glu": _glu,
 }

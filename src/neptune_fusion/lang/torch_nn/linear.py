@@ -1,4 +1,5 @@
-"""Linear maps and axis views: `F.linear`, `torch.einsum` (with '...' and implicit outputs), permutes and transposes."""
+"""Linear maps and axis views: `F.linear`, `torch.einsum` (with '...' and implicit outputs), permutes, transposes,
+slices (split, chunk, narrow, select, unbind), concatenation (cat, stack) and expand."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from typing import Any, Callable
 from neptune_fusion.lang.tensor import (
     SymTensor,
     binary,
+    concatenate,
+    constant_dim,
     einsum,
 )
 from neptune_fusion.lang.torch_nn.common import CONTEXT, no_out, symbolic
@@ -84,6 +87,86 @@ def _scaled_sum(name: str, product: Callable[..., SymTensor]) -> Callable[..., S
     return fn
 
 
+def _cat(tensors: Any, dim: int = 0, *, axis: Any = None, out: Any = None) -> SymTensor:
+    no_out("cat", out)
+    parts = list(tensors)
+    return concatenate([symbolic(p, *parts) for p in parts], dim if axis is None else axis)
+
+
+def _sections(length: int, split: Any, name: str) -> list[int]:
+    """The lengths of torch.split's pieces: `split` a piece length (the last shorter) or the lengths."""
+    if isinstance(split, int) and not isinstance(split, bool):
+        if split < 1:
+            raise ValueError(f"{name}: the split size must be positive, got {split}")
+        return [min(split, length - start) for start in range(0, length, split)]
+    sizes = [int(n) for n in split]
+    if sum(sizes) != length:
+        raise ValueError(f"{name}: split sizes {sizes} do not add up to the dimension's {length}")
+    return sizes
+
+
+def _pieces(x: SymTensor, sizes: list[int], dim: int) -> tuple[SymTensor, ...]:
+    axis, starts = dim % x.ndim, [sum(sizes[:i]) for i in range(len(sizes))]
+    return tuple(x[(slice(None),) * axis + (slice(s, s + n),)] for s, n in zip(starts, sizes))
+
+
+def _split(x: Any, split_size_or_sections: Any, dim: int = 0) -> tuple[SymTensor, ...]:
+    x = symbolic(x)
+    return _pieces(x, _sections(x.shape[dim], split_size_or_sections, "split"), dim)
+
+
+def _chunk(x: Any, chunks: int, dim: int = 0) -> tuple[SymTensor, ...]:
+    x = symbolic(x)
+    if chunks < 1:
+        raise ValueError(f"chunk: the number of chunks must be positive, got {chunks}")
+    length = x.shape[dim]
+    return _pieces(x, _sections(length, -(-length // chunks), "chunk"), dim)  # torch's ceil(length / chunks)
+
+
+def _narrow(x: Any, dim: int, start: Any, length: int) -> SymTensor:
+    x = symbolic(x)
+    start = int(start) % x.shape[dim] if int(start) < 0 else int(start)
+    if not 0 <= start <= start + length <= x.shape[dim]:
+        raise IndexError(f"narrow: [{start}, {start + length}) is out of a dimension of size {x.shape[dim]}")
+    return x[(slice(None),) * (dim % x.ndim) + (slice(start, start + length),)]
+
+
+def _select(x: Any, dim: int, index: int) -> SymTensor:
+    x = symbolic(x)
+    return x[(slice(None),) * (dim % x.ndim) + (int(index),)]
+
+
+def _unbind(x: Any, dim: int = 0) -> tuple[SymTensor, ...]:
+    x = symbolic(x)
+    return tuple(_select(x, dim, i) for i in range(x.shape[dim]))
+
+
+def _stack(tensors: Any, dim: int = 0, *, out: Any = None) -> SymTensor:
+    no_out("stack", out)
+    parts = [symbolic(p, *tensors) for p in tensors]
+    if len({p.ndim for p in parts}) > 1:
+        raise ValueError(f"torch.stack: the tensors must have one rank, got {[p.ndim for p in parts]}")
+    axis = dim % (parts[0].ndim + 1)
+    return concatenate([p.unsqueeze(axis) for p in parts], axis)
+
+
+def _expand(x: Any, *sizes: Any) -> SymTensor:
+    """torch.Tensor.expand / broadcast_to: size-1 dims stretched (new ones in front), -1 keeps a dim."""
+    x = symbolic(x)
+    shape = list(sizes[0]) if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)) else list(sizes)
+    if len(shape) < x.ndim:
+        raise ValueError(f"expand: {shape} has fewer dims than the tensor's {list(x.shape)}")
+    x = x[(None,) * (len(shape) - x.ndim)]
+    dims = list(x.dims)
+    for i, (want, have) in enumerate(zip(shape, x.shape)):
+        if want == -1 or want == have:
+            continue
+        if have != 1:
+            raise ValueError(f"expand: dim {i} of size {have} cannot become {want}")
+        dims[i] = constant_dim(int(want), f"expanded{i}", x.tracer)  # the value does not depend on it
+    return SymTensor(tuple(dims), x.expr, x.tracer, x.kind)
+
+
 def _permute(x: Any, *dims: Any) -> SymTensor:
     x = symbolic(x)
     order = list(dims[0]) if len(dims) == 1 and isinstance(dims[0], (tuple, list)) else list(dims)
@@ -107,4 +190,7 @@ HANDLERS: dict[str, Callable[..., Any]] = {
     "inner": _contraction("inner", "i,i->", (1, 1)), "outer": _contraction("outer", "i,j->ij", (1, 1)),
     "ger": _contraction("ger", "i,j->ij", (1, 1)), "addmm": _scaled_sum("addmm", _MM),
     "baddbmm": _scaled_sum("baddbmm", _BMM), "addmv": _scaled_sum("addmv", _MV),
+    "cat": _cat, "concat": _cat, "concatenate": _cat, "split": _split, "chunk": _chunk, "narrow": _narrow,
+    "select": _select, "unbind": _unbind, "stack": _stack, "expand": _expand, "broadcast_to": _expand,
+    "expand_as": lambda x, other: _expand(x, symbolic(other, x).shape),
 }
