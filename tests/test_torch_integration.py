@@ -636,6 +636,23 @@ def test_torch_compile_of_a_training_call_sees_a_changed_float_the_mod_reads(att
         CAP = 2.0
 
 
+def test_a_table_longer_than_the_axis_that_indexes_it_gets_its_gradient(attn_inputs):
+    """`table[q_idx]` with a table longer than the queries: its entries past the queries get a zero
+    gradient (the backward runs on the table cut to the queries' length; uncut, it read past its
+    upstream gradient); a table shorter than the queries is an error, as the forward read past it."""
+    q, k, v = attn_inputs(1, H, 16, 16, 16)
+    g = torch.Generator().manual_seed(5)
+    for length in (40, 16):
+        table = torch.randn(length, generator=g).requires_grad_()
+        nf.attention(q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s + table[q_idx]).square().sum().backward()
+        t64 = table.detach().double().requires_grad_()
+        dense(q, k, v, 0.25, score=lambda s: s + t64[:16, None]).square().sum().backward()
+        torch.testing.assert_close(table.grad.double(), t64.grad, atol=1e-4, rtol=1e-4)
+    short = torch.randn(8, generator=g).requires_grad_()
+    with pytest.raises(ValueError, match="read past its end"):
+        nf.attention(q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s + short[q_idx]).sum().backward()
+
+
 def test_a_learnable_bias_broadcast_over_batch_or_heads_gets_its_gradient(attn_inputs):
     """`attend(bias=b)` with b (1, H, L, L) or (B, 1, L, L) requiring grad, and a score_mod reading
     a (H, L, L) parameter: the backward's sums over the broadcast axis have a mask condition that

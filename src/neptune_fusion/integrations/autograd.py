@@ -462,7 +462,20 @@ def _gradients(entry: _Entry, tensors: list[torch.Tensor], results: Sequence[tor
     """Per tensor argument of the call: its gradient (None where it is not differentiated)."""
     derived, gradient = entry.derived, entry.derived.gradient
     named = entry.named(tensors, floats, ints)
-    found = dict(zip(gradient.nonzero, derived.backward(**_backward_args(derived, named, results, grads))))
+    args = _backward_args(derived, named, results, grads)
+    cuts = _cuts(gradient, named, derived.program)
+    for name, dims in cuts.items():
+        for dim, length in dims:
+            args[name] = args[name].narrow(dim, 0, length)
+    found = dict(zip(gradient.nonzero, derived.backward(**args)))
+    for name, dims in cuts.items():
+        if name in found:  # the entries past the cut were read by no position: no gradient
+            full = found[name].new_zeros(named[name].shape)
+            view = full
+            for dim, length in dims:
+                view = view.narrow(dim, 0, length)
+            view.copy_(found[name].reshape(view.shape))
+            found[name] = full
     out: list[torch.Tensor | None] = []
     # a gradient passed through unchanged (x + y: both are the upstream gradient) is copied, so
     # no two gradients, and no gradient and an argument, share memory (accumulating into one
@@ -478,6 +491,24 @@ def _gradients(entry: _Entry, tensors: list[torch.Tensor], results: Sequence[tor
         taken.add(g.untyped_storage().data_ptr())
         out.append(g)
     return out
+
+
+def _cuts(gradient: Any, named: dict[str, Any], program: Any) -> dict[str, list[tuple[int, int]]]:
+    """Per input indexed by another input's axis and longer along it (`table[q_idx]`, the table
+    longer than the queries): (dim, the axis's length) to cut it to for the backward. Shorter is
+    an error: the forward read past its end."""
+    if not gradient.narrowed:
+        return {}
+    sizes = axis_extents(program, named)
+    cuts: dict[str, list[tuple[int, int]]] = {}
+    for name, dim, axis in gradient.narrowed:
+        have, used = named[name].shape[dim], sizes[axis]
+        if have < used:
+            raise ValueError(f"the tensor {name!r} has {have} entries along dim {dim}, but the axis {axis!r} that "
+                             f"indexes it has {used} positions: the forward read past its end")
+        if have > used:
+            cuts.setdefault(name, []).append((dim, used))
+    return cuts
 
 
 def _tensor_names(entry: _Entry) -> list[str]:

@@ -103,6 +103,10 @@ class Gradient:
     grads_read: tuple[int, ...]
     free_stabilisers: tuple[str, ...]
     recovered: tuple[str, ...] = field(default=())
+    # (input, dim, axis): an input's dim indexed by another input's axis (`table[q_idx]`): its
+    # gradient holds that axis's positions only, so the call passes the input cut to the axis's
+    # length and pads the gradient with zeros (a longer table's other entries get none)
+    narrowed: tuple[tuple[str, int, str], ...] = ()
     held: frozenset[str] = frozenset()  # axes the forward's tiles hold whole (head dims): contractions
 
 
@@ -142,6 +146,7 @@ class _Reverse:
         self.taken = set(self.stages) | set(self.inputs) | set(program.params)
         self.seeds: list[int] = []
         self.derived: dict[str, tuple[str, object, object]] = {}  # axes the backward adds (head-group members)
+        self.narrowed: set[tuple[str, int, str]] = set()  # (input, its dim, the axis that indexes it): `Gradient`
         self.tied: set[str] = set()  # max/min stages whose gradient goes through a tie test
 
     # --- names and stages -------------------------------------------------------------
@@ -165,7 +170,8 @@ class _Reverse:
 
     def same_extent(self, a: str, b: str) -> bool:
         """Whether a frame axis `a` may stand for a buffer's axis `b` position by position: the same
-        axis, or neither of a fixed size, as aliases of one dimension (x @ x.T's) and gathers by an axis."""
+        axis, or neither of a fixed size (aliases of one dimension, x @ x.T's; an input gathered by
+        an axis, `table[q_idx]`, whose extra length `Gradient.narrowed` cuts at the call)."""
         return a == b or not (self.fixed_size(a) or self.fixed_size(b))
 
     def emit(self, base: str, axes: tuple[str, ...], body: Expr) -> str:
@@ -284,6 +290,9 @@ class _Reverse:
                     and self.same_extent(component.axis, axis)):
                 rename[component.axis] = Index(axis)
                 kept.append(component.axis)
+                sources = self.program.axis_sizes
+                if load.buffer in self.inputs and component.axis != axis and sources.get(component.axis) != sources.get(axis):
+                    self.narrowed.add((load.buffer, pos, component.axis))
             elif (shift := _affine_index(component, frame, rename, load.index, pos)) is not None:
                 # x[..., s * step + start, ...] (a slice): the gradient at the buffer's position p
                 # comes from s = (p - start) / step, where that lies on the slice
@@ -397,7 +406,8 @@ class _Reverse:
                           (*program.outputs, *(OutputSpec(st.name, st.axes) for st in extra)),
                           dict(program.axis_sizes), dict(program.param_kinds), dict(program.derived_axes))
         return Gradient(forward, backward, self.wrt, nonzero, saved_order, tuple(sorted(set(outputs_read))),
-                        tuple(seeds), tuple(sorted(self.free)), tuple(recovered), _held_axes(program))
+                        tuple(seeds), tuple(sorted(self.free)), tuple(recovered),
+                        narrowed=tuple(sorted(self.narrowed)), held=_held_axes(program))
 
     def kept(self, buffer: str, exact: frozenset[str] | set[str] = frozenset()) -> bool:
         """Whether the backward reads `buffer` without recomputing it: an input, a saved statistic
