@@ -2,7 +2,8 @@
 (mean, max, root mean square, standard deviation, logsumexp, max |x|; none, a program with no
 reduction when the output is the map; the mean of all of x, an output wider than its reduction), an element-wise map of it
 and the row (a normalisation, an affine mix, an exponential, a sigmoid), optionally times a
-per-column weight, then a matmul, a row sum, a column sum, a max, or the map itself as the output;
+per-column weight, then a matmul, a row sum, a column sum, a max, or the map itself as the output,
+each reading x, g and w whole, through a slice of the model dimension, or every other position;
 fp32 and fp16, sizes drawn so no axis need be a multiple of a tile, output widths on both sides of
 the cuBLAS break-even (schedule/library.py). Each against the reference executor.
 
@@ -31,6 +32,17 @@ import neptune_fusion as nf  # noqa: E402
 STATISTICS = ("mean", "max", "rms", "std", "logsumexp", "absmax", "none", "total")
 MAPS = ("norm", "affine", "exp", "sigmoid")
 TAILS = ("matmul", "rowsum", "colsum", "max", "out")
+VIEWS = ("whole", "whole", "slice", "step")  # how the program reads the model dimension of x, g and w
+
+
+def viewed(kind: str, t: Any, axis: int) -> Any:
+    """`t` along `axis` whole, a slice of its middle, or every other position (views; no copies)."""
+    if kind == "whole":
+        return t
+    n = t.shape[axis]
+    lo = n // 4
+    key = slice(lo, max(lo + 1, n - n // 5)) if kind == "slice" else slice(n % 2, None, 2) if n > 1 else slice(None)
+    return t[(slice(None),) * axis + (key,)]
 
 
 def statistic(kind: str, x: Any) -> Any:
@@ -64,11 +76,13 @@ def mapped(kind: str, stat: str, x: Any, s: Any) -> Any:
     return nf.sigmoid(x) * s
 
 
-def make(rng: random.Random) -> tuple[Any, tuple[str, str, str, bool]]:
+def make(rng: random.Random) -> tuple[Any, tuple[str, str, str, bool, str]]:
     """A random program (x, g, w) and what it is made of."""
     stat, kind, tail, weighted = rng.choice(STATISTICS), rng.choice(MAPS), rng.choice(TAILS), rng.random() < 0.4
+    view = rng.choice(VIEWS)
 
     def body(x, g, w):  # noqa: ANN001, ANN202 - traced by nf.program
+        x, g, w = viewed(view, x, 1), viewed(view, g, 0), viewed(view, w, 0)
         a = mapped(kind, stat, x, statistic(stat, x))
         if weighted:
             a = a * g
@@ -82,7 +96,7 @@ def make(rng: random.Random) -> tuple[Any, tuple[str, str, str, bool]]:
             return a.max(axis=-1)
         return a
 
-    return nf.program(body), (stat, kind, tail, weighted)
+    return nf.program(body), (stat, kind, tail, weighted, view)
 
 
 def main(seed: int, count: int, device: str = "cpu") -> None:
