@@ -644,9 +644,9 @@ def test_a_table_longer_than_the_axis_that_indexes_it_gets_its_gradient(attn_inp
     g = torch.Generator().manual_seed(5)
     for length in (40, 16):
         table = torch.randn(length, generator=g).requires_grad_()
-        nf.attention(q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s + table[q_idx]).square().sum().backward()
+        nf.attention(q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s + table[q_idx]).square().sum().backward()  # noqa: B023 - used at once
         t64 = table.detach().double().requires_grad_()
-        dense(q, k, v, 0.25, score=lambda s: s + t64[:16, None]).square().sum().backward()
+        dense(q, k, v, 0.25, score=lambda s: s + t64[:16, None]).square().sum().backward()  # noqa: B023
         torch.testing.assert_close(table.grad.double(), t64.grad, atol=1e-4, rtol=1e-4)
     short = torch.randn(8, generator=g).requires_grad_()
     with pytest.raises(ValueError, match="read past its end"):

@@ -480,6 +480,30 @@ def test_slices_and_concatenation_gradients(randn: Callable[..., torch.Tensor]) 
     check_grad(lambda x, y: (x[:, 1::3] * y[:, ::3]).sum(-1) + torch.cat([x, y], 0).amax(0).sum(), x, y)
 
 
+# --------------------------------------------------------------------------- scaled_dot_product_attention
+
+
+@pytest.mark.parametrize("variant", ["plain", "causal", "bool_mask", "float_mask"])
+def test_scaled_dot_product_attention(variant: str, randn: Callable[..., torch.Tensor]) -> None:
+    """Model code calling F.scaled_dot_product_attention compiles into the fused attention the
+    algebra derives: GQA, a causal mask (top-left), bool and float masks, rows with no visible key
+    (0, as torch), gradients of q, k and v."""
+    q, k, v = randn(2, 4, 40, 16), randn(2, 2, 56, 16), randn(2, 2, 56, 16)
+    mask = torch.rand(40, 56, generator=torch.Generator().manual_seed(1)) > 0.3
+    mask[3] = False
+    bias = randn(2, 1, 40, 56)
+    if variant in ("plain", "causal"):
+        def fn(q: Any, k: Any, v: Any) -> Any:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=variant == "causal", enable_gqa=True, scale=0.3)
+        args: tuple[torch.Tensor, ...] = (q, k, v)
+    else:
+        def fn(q: Any, k: Any, v: Any, m: Any) -> Any:  # type: ignore[misc]
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True, scale=0.3)
+        args = (q, k, v, mask if variant == "bool_mask" else bias)
+    check(fn, *args)
+    check_grad(fn, *args)
+
+
 # --------------------------------------------------------------------------- refused, with reasons
 
 
