@@ -12,6 +12,7 @@ import copy
 import doctest
 import inspect
 import logging
+from typing import Callable
 
 import pytest
 import torch
@@ -119,6 +120,19 @@ def _check_generate(ref: torch.nn.Module, ours: torch.nn.Module, **kwargs: objec
     assert torch.unique(expected.sequences[:, PROMPT:]).numel() > 4  # not a degenerate repetition
     torch.testing.assert_close(torch.stack(got.logits), torch.stack(expected.logits), atol=ATOL, rtol=0)
     assert torch.equal(got.sequences, expected.sequences)
+
+
+def _check_gradients(ours: torch.nn.Module, ref: torch.nn.Module,
+                     loss: Callable[[torch.nn.Module], torch.Tensor]) -> None:
+    """Every parameter of `ours` gets the gradient `loss` gives the same parameter of `ref` (where
+    `ref`'s gets one: an expert no token chose gets none)."""
+    for model in (ours, ref):
+        model.zero_grad()
+        loss(model).backward()
+    for (name, a), b in zip(ours.named_parameters(), ref.parameters()):
+        if b.grad is not None:
+            assert a.grad is not None, name
+            torch.testing.assert_close(a.grad, b.grad, atol=2e-4, rtol=2e-3, msg=name)
 
 
 # --------------------------------------------------------------------------- models
@@ -249,12 +263,7 @@ def test_t5_relative_position_bias_matches_eager() -> None:
         kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False)
         assert torch.equal(ours.generate(ids, **kwargs), ref.generate(ids, **kwargs))
     torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
-    for model in (ours, ref):
-        model.zero_grad()
-        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
-    for (name, a), b in zip(ours.named_parameters(), ref.parameters()):
-        assert a.grad is not None, name
-        torch.testing.assert_close(a.grad, b.grad, atol=2e-4, rtol=2e-3, msg=name)
+    _check_gradients(ours, ref, lambda m: m(input_ids=ids, attention_mask=mask, labels=labels).loss)
 
 
 def test_compile_fullgraph() -> None:
@@ -398,12 +407,7 @@ def test_output_attentions_and_gradients(llama: tuple[torch.nn.Module, torch.nn.
     assert "attention weights" in caplog.text
     assert out.attentions is not None and all(a is None for a in out.attentions)
     sdpa_model, _ = llama
-    for model in (ours, sdpa_model):
-        model.zero_grad()
-        model(ids, attention_mask=mask).logits.float().square().mean().backward()
-    for (name, a), b in zip(ours.named_parameters(), sdpa_model.parameters()):
-        assert a.grad is not None, name
-        torch.testing.assert_close(a.grad, b.grad, atol=2e-4, rtol=2e-3, msg=name)
+    _check_gradients(ours, sdpa_model, lambda m: m(ids, attention_mask=mask).logits.float().square().mean())
 
 
 def test_gemma2_gradients_and_compiled_training_equal_the_reference(gemma2: tuple[torch.nn.Module, torch.nn.Module],
@@ -413,12 +417,7 @@ def test_gemma2_gradients_and_compiled_training_equal_the_reference(gemma2: tupl
     torch.compile(fullgraph=True) gives the eager step's gradients."""
     ids, _ = _inputs(False)
     ref, ours = gemma2
-    for model in (ours, ref):
-        model.zero_grad()
-        model(ids).logits.float().square().mean().backward()
-    for (name, a), b in zip(ours.named_parameters(), ref.parameters()):
-        assert a.grad is not None, name
-        torch.testing.assert_close(a.grad, b.grad, atol=2e-4, rtol=2e-3, msg=name)
+    _check_gradients(ours, ref, lambda m: m(ids).logits.float().square().mean())
     _, model = llama
 
     def loss() -> torch.Tensor:
@@ -450,12 +449,7 @@ def test_gpt_oss_attention_sinks_match_eager() -> None:
     _check_logits(ref, ours, padded=True)
     _check_generate(ref, ours)
     ids, _ = _inputs(False)
-    for model in (ours, ref):
-        model.zero_grad()
-        model(ids).logits.float().square().mean().backward()
-    for (name, a), b in zip(ours.named_parameters(), ref.parameters()):
-        assert a.grad is not None, name
-        torch.testing.assert_close(a.grad, b.grad, atol=2e-4, rtol=2e-3, msg=name)
+    _check_gradients(ours, ref, lambda m: m(ids).logits.float().square().mean())
     with pytest.raises(ValueError, match="one value per query head"):
         nft.attention_forward(ours.model.layers[0].self_attn, *(torch.randn(1, 4, 3, 16) for _ in range(3)), None,
                               s_aux=torch.zeros(3))
@@ -514,12 +508,7 @@ def test_llama4_chunked_attention_matches_sdpa() -> None:
     _check_generate(ref, ours)
     ids, mask = _inputs(True)
     weights = torch.randn(2, PROMPT, 128, generator=torch.Generator().manual_seed(5)) * mask[..., None]
-    for model in (ours, ref):
-        model.zero_grad()
-        (model(ids, attention_mask=mask).logits.float() * weights).sum().backward()
-    for (name, a), b in zip(ours.named_parameters(), ref.parameters()):
-        if b.grad is not None:
-            torch.testing.assert_close(a.grad, b.grad, atol=2e-4, rtol=2e-3, msg=name)
+    _check_gradients(ours, ref, lambda m: (m(ids, attention_mask=mask).logits.float() * weights).sum())
 
 
 def test_packed_sequences_match_sdpa(llama: tuple[torch.nn.Module, torch.nn.Module]) -> None:
