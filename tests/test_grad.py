@@ -542,10 +542,17 @@ def test_backward_kernels_sum_in_a_fixed_order(monkeypatch) -> None:
     assert len(sources) >= 3 and not any("atomic" in s for s in sources)
 
 
-def test_a_backward_that_fails_to_derive_fails_again_and_leaves_no_handle() -> None:
-    """A Gram matrix's backward is refused (its x is read under two axes of one stage); a second
-    call says so again rather than reaching for a handle the first left half made (which pointed
-    at no backward, or at another function's)."""
+def test_a_backward_that_fails_to_derive_fails_again_and_leaves_no_handle(monkeypatch) -> None:
+    """A backward that cannot be derived is refused; a second call says so again rather than
+    reaching for a handle the first left half made (which pointed at no backward, or at another
+    function's)."""
+    from neptune_fusion.integrations import autograd
+
+    def refused(program, wrt):  # noqa: ANN001, ANN202
+        raise FusionError("differentiate", "dot0", "load of 'x'", "refused for the test")
+
+    monkeypatch.setattr(autograd, "differentiate", refused)
+
     @nf.program
     def gram(x):
         return nf.einsum("id,jd->ij", x, x)
@@ -558,6 +565,17 @@ def test_a_backward_that_fails_to_derive_fails_again_and_leaves_no_handle() -> N
     assert fn.training_handles == {}
     with torch.no_grad():
         torch.testing.assert_close(fn(x), x @ x.T)
+
+
+def test_gram_matrix_and_self_attention_of_one_tensor() -> None:
+    """x read under two axes of one stage (x @ x.T): the sum over one of them is renamed apart from
+    the axis the gradient lands on."""
+    torch.manual_seed(0)
+    for fn in (lambda x: torch.einsum("id,jd->ij", x, x), lambda x: torch.softmax(x @ x.T, -1) @ x):
+        x = torch.randn(16, 8, requires_grad=True)
+        got = torch.autograd.grad((nf.compile(fn)(x) * torch.arange(16.0)[:, None]).sum(), x)[0]
+        want = torch.autograd.grad((fn(x) * torch.arange(16.0)[:, None]).sum(), x)[0]
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
 def test_an_eager_training_step_launches_without_the_registered_ops(monkeypatch) -> None:

@@ -499,10 +499,17 @@ def constant_dim(size: int, hint: str, tracer: object) -> Dim:
     """A new dimension of a size fixed when tracing (a slice's, a concatenation's): the program
     records it as a derived axis of that constant size."""
     dim = Dim(size, hint)
-    for attribute in ("extra_dims", "constant_dims"):
-        if getattr(tracer, attribute, None) is None:
-            setattr(tracer, attribute, [])
-        getattr(tracer, attribute).append(dim)
+    if getattr(tracer, "extra_dims", None) is None:
+        tracer.extra_dims = []  # type: ignore[attr-defined]
+    tracer.extra_dims.append(dim)  # type: ignore[attr-defined]
+    return _fixed_size(dim, tracer)
+
+
+def _fixed_size(dim: Dim, tracer: object) -> Dim:
+    """`dim`, recorded as an axis of the size it has while tracing."""
+    if getattr(tracer, "constant_dims", None) is None:
+        tracer.constant_dims = []  # type: ignore[attr-defined]
+    tracer.constant_dims.append(dim)  # type: ignore[attr-defined]
     return dim
 
 
@@ -527,6 +534,96 @@ def sliced_axis(expr: Expr, dim: Dim | None, key: slice, tracer: object) -> tupl
     if start:
         position = Binary("add", position, Const(start))
     return new, _axis_read_at(expr, dim, position, tracer)
+
+
+def reshape(x: SymTensor, shape: Sequence[int]) -> SymTensor:
+    """`x` viewed with `shape` (torch.reshape / view, one -1 allowed), in row-major order: a view,
+    no data moves. Dims that keep their size keep their axis; dims split or merged become new ones
+    of a size fixed while tracing, and each source dim is read at the position the row-major order
+    gives (`(flat // stride) % size` of the new dims' flat index in its group).
+
+    Example:
+        >>> import torch, neptune_fusion as nf
+        >>> heads = nf.compile(lambda x: x.view(2, 3, 4).transpose(0, 1).reshape(3, 8).sum(-1))
+        >>> x = torch.randn(2, 12)
+        >>> torch.allclose(heads(x), x.view(2, 3, 4).transpose(0, 1).reshape(3, 8).sum(-1), atol=1e-6)
+        True
+    """
+    target = _resolved_shape(x.shape, shape)
+    source_dims = [(d, s) for d, s in zip(x.dims, x.shape) if s != 1]
+    roots = [d.find() for d, _ in source_dims if d is not None]
+    if len(set(map(id, roots))) != len(roots):
+        raise ValueError("reshape: two dims of this tensor are one axis (a diagonal read); reshape a copy computed "
+                         "over distinct axes")
+    expr = x.expr
+    for d, s in zip(x.dims, x.shape):  # a dim of size 1 that goes away reads its only element
+        if s == 1 and d is not None:
+            expr = _axis_read_at(expr, d, Const(0), x.tracer)
+    sizes = [s for s in target if s != 1]
+    new_dims: list[Dim] = []
+    for sources, lengths in _row_major_groups([s for _, s in source_dims], sizes):
+        group_dims = [source_dims[i][0] for i in sources]
+        if len(sources) == 1 and len(lengths) == 1:
+            new_dims.append(group_dims[0])  # type: ignore[arg-type]  # the same size: the same axis
+            continue
+        for dim in group_dims:  # their sizes are fixed too: the gradient reads each position once, unguarded
+            if dim is not None:
+                _fixed_size(dim, x.tracer)
+        made = [constant_dim(n, f"reshaped{len(new_dims) + k}", x.tracer) for k, n in enumerate(lengths)]
+        new_dims.extend(made)
+        flat: Expr = Index(made[-1].var)
+        stride = lengths[-1]
+        for dim, n in zip(reversed(made[:-1]), reversed(lengths[:-1])):
+            flat = Binary("add", Binary("mul", Index(dim.var), Const(stride)), flat)
+            stride *= n
+        stride = 1
+        for k in reversed(range(len(sources))):
+            dim, n = group_dims[k], source_dims[sources[k]][1]
+            position = flat if stride == 1 else Binary("floordiv", flat, Const(stride))
+            if k > 0:
+                position = Binary("mod", position, Const(n))
+            expr = _axis_read_at(expr, dim, position, x.tracer)  # type: ignore[arg-type]
+            stride *= n
+    kept = iter(new_dims)
+    dims = tuple(None if s == 1 else next(kept) for s in target)
+    return SymTensor(dims, expr, x.tracer, x.kind)
+
+
+def _resolved_shape(have: tuple[int, ...], shape: Sequence[int]) -> tuple[int, ...]:
+    """`shape` with its -1 resolved; ValueError unless it holds as many elements as `have`."""
+    want = [int(s) for s in shape]
+    total = math.prod(have)
+    if want.count(-1) > 1 or any(s < -1 for s in want):
+        raise ValueError(f"reshape: invalid shape {want}")
+    if -1 in want:
+        known = math.prod(s for s in want if s != -1)
+        if known == 0 or total % known:
+            raise ValueError(f"reshape: shape {want} is invalid for a tensor of shape {list(have)}")
+        want[want.index(-1)] = total // known
+    if math.prod(want) != total:
+        raise ValueError(f"reshape: shape {want} is invalid for a tensor of shape {list(have)} ({total} elements)")
+    return tuple(want)
+
+
+def _row_major_groups(have: list[int], want: list[int]) -> list[tuple[list[int], list[int]]]:
+    """The shortest runs of source dims and of target sizes with equal products (sizes > 1)."""
+    groups: list[tuple[list[int], list[int]]] = []
+    i = j = 0
+    while i < len(have):
+        sources, lengths = [i], [want[j]]
+        a, b = have[i], want[j]
+        i, j = i + 1, j + 1
+        while a != b:
+            if a < b:
+                sources.append(i)
+                a *= have[i]
+                i += 1
+            else:
+                lengths.append(want[j])
+                b *= want[j]
+                j += 1
+        groups.append((sources, lengths))
+    return groups
 
 
 def concatenate(parts: Sequence[SymTensor], axis: int) -> SymTensor:

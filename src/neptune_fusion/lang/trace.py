@@ -225,7 +225,8 @@ def _finalize(
             needed |= st.reads()
     # dims of a size fixed while tracing (slices, concatenations): derived axes of that size, also
     # where they meet an input's dimension (the backward tells a slice's axis by it)
-    derived = {names[d.var]: ("const", d.find().size, None) for d in getattr(tracer, "constant_dims", ())}
+    derived = {root_name[d.find().uid]: ("const", d.find().size, None) for d in getattr(tracer, "constant_dims", ())
+               if d.find().uid in root_name}
     for st in kept:
         for a in (*st.axes, *(n.axis for n in walk(st.body) if isinstance(n, Size))):
             if a not in axis_sizes and a not in derived:

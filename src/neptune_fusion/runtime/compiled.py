@@ -46,7 +46,7 @@ from neptune_fusion.runtime.reference import axis_extents, run_reference
 from neptune_fusion.runtime.state import CALL_STATE
 from neptune_fusion.schedule.auto import MAX_GRID_AXIS, Plan, choose, fit
 from neptune_fusion.schedule.library import LibraryContraction, library_contraction
-from neptune_fusion.schedule.partition import Group, length_axes, partition, split_at
+from neptune_fusion.schedule.partition import Group, length_axes, partition, split_at, split_unrelated
 from neptune_fusion.schedule.pipeline import SPLIT_AXIS, Step, combine_program, fuse, with_split_k
 from neptune_fusion.schedule.templates import Auto, Autotune, Flash, Schedule, SplitK
 from neptune_fusion.schedule.tiles import (
@@ -646,7 +646,14 @@ class Compiled:
         # how the axes the tile cannot hold whole are walked: across the grid or by inner loops
         tiling = choose_tiling(fused, full_sizes, plan.block_row, plan.block_col,
                                4 if main_dtype == "f32" else 2, plan.num_stages, plan.num_warps)
-        check_fits(tiling, fused, plan.block_row, plan.num_warps)
+        try:
+            check_fits(tiling, fused, plan.block_row, plan.num_warps)
+        except UnsupportedProgramError as exc:
+            apart = split_unrelated(program)
+            if apart is None:
+                raise
+            return self._grouped(program, apart, args, device, options,
+                                 f"one kernel's tile does not fit ({exc}); reductions that share no axes run apart")
         tma = all_tma - descriptor_hazards(fused)  # Gluon's kernels order their own copies
         if use_block_map or (plan.splits > 1 and not tiling.loops):
             # tiles at run-time coordinates (from the block map) and split-K's memory-bound single

@@ -188,6 +188,41 @@ def split_at(program: Program, reduction: str) -> list[Group] | None:
     return [first, second]
 
 
+def split_unrelated(program: Program) -> list[Group] | None:
+    """Two groups where `program` holds reductions that neither read each other nor share their
+    axes (projections of one input, `x @ wq` and `x @ wk`): one kernel's tile would hold the union
+    of their output axes. The first reduction and what it relates to stay; the others and every
+    stage that reads them follow in a later kernel. None where every reduction relates to the first.
+
+    Example:
+        >>> import torch, neptune_fusion as nf
+        >>> @nf.program
+        ... def two_projections(x, a, b):
+        ...     return x @ a, x @ b
+        >>> first, second = split_unrelated(two_projections.trace(*(torch.randn(4, 4) for _ in range(3))))
+        >>> [len(g.program.outputs) for g in (first, second)]
+        [1, 1]
+    """
+    reductions = _reductions(program)
+    if len(reductions) < 2:
+        return None
+    reads = {st.name: transitive_reads(program, st.name) for st in program.stages if isinstance(st, Stage)}
+    head = reductions[0]
+
+    def related(st: Stage) -> bool:
+        nested = set(st.axes) <= set(head.axes) or set(head.axes) <= set(st.axes)
+        return head.name in reads[st.name] or st.name in reads[head.name] or nested
+
+    unrelated = {st.name for st in reductions[1:] if not related(st)}
+    if not unrelated:
+        return None
+    late = {n for n, r in reads.items() if n in unrelated or r & unrelated}
+    first, second = _split(program, late)
+    if not first.program.stages or not second.program.stages:
+        return None
+    return [first, second]
+
+
 def why_apart(program: Program, long_axes: frozenset[str] = frozenset(),
               narrow: frozenset[str] = frozenset()) -> str | None:
     """Why `program` needs more than one kernel (None when it does not)."""
@@ -274,12 +309,33 @@ def subprogram(program: Program, name: str, stages: list[Stage], outputs: list[O
         reads |= st.reads()
     extra_names = {b.name for b in extra_inputs}
     inputs = tuple(b for b in program.inputs if b.name in reads and b.name not in extra_names) + tuple(extra_inputs)
+    # an axis none of the inputs read gives (an output's, where a reshape's gradient reads another
+    # buffer) comes with the input that gives its size, passed for its shape
+    axes = {a for st in stages for a in (*st.axes, *(n.axis for n in walk(st.body) if isinstance(n, (Reduce, Index, Size))))}
+    for a in sorted(axes):  # an axis derived from another (an alias's extent) needs that one's size
+        rule = program.derived_axes.get(a)
+        if rule is not None and rule[0] != "const":
+            axes |= {b for b in rule[1:] if isinstance(b, str)}
+    derived = {a: rule for a, rule in program.derived_axes.items() if a in axes}
+    givers = {b.name for b in inputs} | extra_names
+    given = {a for a, src in program.axis_sizes.items() if src[0] in givers}
+    given |= {a for b in extra_inputs for a in b.dims if a is not None}
+    given |= {a for a, rule in program.derived_axes.items() if rule[0] == "const"}
+    shapes = sorted({program.axis_sizes[a][0] for a in axes - given if a in program.axis_sizes}
+                    & {b.name for b in program.inputs})
+    inputs += tuple(b for b in program.inputs if b.name in shapes)
     held = {b.name for b in inputs}
     axis_sizes = {a: src for a, src in program.axis_sizes.items() if src[0] in held}
     for b in extra_inputs:
         for dim, a in enumerate(b.dims):
             if a is not None:
                 axis_sizes.setdefault(a, (b.name, dim))
+    # an axis sized by an input this part does not read (an alias of another axis, x @ x.T's
+    # second x) takes its size from an axis of the same source that this part holds
+    for a, src in program.axis_sizes.items():
+        same = [axis_sizes[b] for b, other in program.axis_sizes.items() if other == src and b in axis_sizes]
+        if a not in axis_sizes and same:
+            axis_sizes[a] = same[0]
     # the length of an axis none of these inputs has (a mean over an axis an earlier kernel summed)
     # comes in as an integer parameter, `size_param(axis)`, which the caller passes with each call
     sized = sorted({n.axis for st in stages for n in walk(st.body) if isinstance(n, Size)} - set(axis_sizes))
@@ -290,7 +346,7 @@ def subprogram(program: Program, name: str, stages: list[Stage], outputs: list[O
         params = (*params, *(size_param(a) for a in sized))
         kinds.update({size_param(a): "int" for a in sized})
     loops = {st.reduce_axis for st in stages if st.reduce_op is not None}
-    out = Program(name, inputs, params, tuple(stages), tuple(outputs), axis_sizes, kinds, dict(program.derived_axes),
+    out = Program(name, inputs, params, tuple(stages), tuple(outputs), axis_sizes, kinds, derived,
                   program.loop_axis if program.loop_axis in loops else None)
     out.validate()
     return out
@@ -364,7 +420,11 @@ def partition_loops(program: Program, held: frozenset[str]) -> list[Group]:
     for name in order:
         if name in outputs and by_name[name].reduce_op is None:
             read = loop_reads(name)
-            extra.setdefault(max((kernel_of[r] for r in read), default=len(kernels)), []).append(name)
+            # one that reads a reduction at other positions than its own (a reshape's gradient)
+            # follows every kernel: a kernel holds only its own rows of what it reduces
+            last = len(kernels) if _shifted_loads(name, by_name, set(loops)) else max(
+                (kernel_of[r] for r in read), default=len(kernels))
+            extra.setdefault(last, []).append(name)
     groups: list[Group] = []
     later_reads = {n for name in order for n in loop_reads(name)}
     for i in range(len(kernels) + 1):
@@ -372,6 +432,28 @@ def partition_loops(program: Program, held: frozenset[str]) -> list[Group]:
         if members:
             groups.append(_loop_group(program, members, set(loops) - set(members), later_reads, i))
     return groups
+
+
+def _shifted_loads(name: str, by_name: dict[str, Stage], reductions: set[str]) -> bool:
+    """Whether stage `name` reads one of `reductions` at positions that are not plain axes, directly
+    or through element-wise stages (one read at such positions shifts what it reads too)."""
+    todo, seen = [(name, False)], set()
+    while todo:
+        current, shifted = todo.pop()
+        stage = by_name.get(current)
+        if stage is None or (current, shifted) in seen:
+            continue
+        seen.add((current, shifted))
+        for load in walk(stage.body):
+            if not isinstance(load, Load):
+                continue
+            moved = shifted or any(not isinstance(component, Index) for component in load.index)
+            if load.buffer in reductions:
+                if moved:
+                    return True
+            elif load.buffer in by_name and by_name[load.buffer].reduce_op is None:
+                todo.append((load.buffer, moved))
+    return False
 
 
 def _kernels(order: list[str], loops: dict[str, tuple[str, frozenset[str]]],

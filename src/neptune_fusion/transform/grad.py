@@ -174,6 +174,21 @@ class _Reverse:
         an axis, `table[q_idx]`, whose extra length `Gradient.narrowed` cuts at the call)."""
         return a == b or not (self.fixed_size(a) or self.fixed_size(b))
 
+    def const_sizes(self) -> dict[str, int]:
+        """The axes of a size fixed while tracing, with their sizes."""
+        return {a: int(d[1]) for a, d in {**self.program.derived_axes, **self.derived}.items()  # type: ignore[call-overload]
+                if d[0] == "const"}
+
+    def renamed_apart(self, value: Expr, frame: tuple[str, ...], names: set[str]) -> tuple[Expr, tuple[str, ...]]:
+        """`value` and `frame` with the frame axes in `names` renamed to fresh axes of their extent,
+        so the buffer's axes of those names can be written into `value` without meeting them."""
+        fresh = {a: self.fresh(f"{a}_sum") for a in frame if a in names}
+        for a, b in fresh.items():
+            self.derived[b] = ("mulc", a, 1)  # the extent of `a`
+        if not fresh:
+            return value, frame
+        return substitute_index(value, {a: Index(b) for a, b in fresh.items()}), tuple(fresh.get(a, a) for a in frame)
+
     def emit(self, base: str, axes: tuple[str, ...], body: Expr) -> str:
         name = self.fresh(base)
         self.new.append(Stage(name, axes, simplify(body)))
@@ -283,8 +298,41 @@ class _Reverse:
         target_axes = self.axes_of(load.buffer)
         rename: dict[str, Expr] = {}
         kept: list[str] = []  # per named position of the buffer: the frame axis (or its own, if computed)
+        digits: dict[int, int] = {}
+        if (merged := _unravelled(load.index, frame, self.const_sizes())) is not None:
+            # buf[n // c0, (n // c1) % s1, ..., n % sk] (a reshape that merged the buffer's axes into
+            # the frame's n): each n is one position of the buffer, n = sum of position * c
+            n, digits = merged
+            named = [target_axes[p] for p in digits]
+            if None not in named:
+                value, frame = self.renamed_apart(value, frame, {a for a in named if a is not None} - {n})
+                sizes = self.const_sizes()
+                order = sorted(digits.items(), key=lambda item: -item[1])
+                top = target_axes[order[0][0]]
+                flat: Expr = Index(top)  # type: ignore[arg-type]
+                flat = Binary("mul", flat, Const(order[0][1])) if order[0][1] != 1 else flat
+                # positions the view does not reach (a buffer longer than the digit's range) get no
+                # gradient; a buffer of exactly the view's extents (a reshape's) needs no test
+                outside: list[Expr] = []
+                for (p, coefficient), (_, above) in zip(order[1:], order):
+                    axis = target_axes[p]
+                    flat = Binary("add", flat, Binary("mul", Index(axis), Const(coefficient))  # type: ignore[arg-type]
+                                  if coefficient != 1 else Index(axis))  # type: ignore[arg-type]
+                    if sizes.get(axis) != above // coefficient:  # type: ignore[arg-type]
+                        outside.append(Binary("lt", Index(axis), Const(above // coefficient)))  # type: ignore[arg-type]
+                if outside or sizes.get(top) != sizes[n] // order[0][1]:  # type: ignore[arg-type]
+                    outside.append(Binary("lt", flat, Const(sizes[n])))
+                value = substitute_index(value, {n: flat})
+                for condition in outside:
+                    value = Where(condition, value, Const(0.0))
+                frame = tuple(a for a in frame if a != n)
+            else:
+                digits = {}
         for pos, (component, axis) in enumerate(zip(load.index, target_axes)):
             if axis is None:
+                continue
+            if pos in digits:
+                kept.append(axis)
                 continue
             if (isinstance(component, Index) and component.axis in frame and component.axis not in rename
                     and self.same_extent(component.axis, axis)):
@@ -306,6 +354,21 @@ class _Reverse:
                 inside = Binary("mod", source, Size(var))
                 value = Where(on_slice, substitute_index(value, {var: inside}), Const(0.0))
                 frame = tuple(a for a in frame if a != var)
+                kept.append(axis)
+            elif (radix := _mixed_radix(component, frame, rename, load.index, pos, self.const_sizes())) is not None:
+                # x[..., h * c + d, ...] (a reshape that split the buffer's axis into the frame's h, d):
+                # the buffer's position p is read once, at h = p // c, d = p % c
+                value, frame = self.renamed_apart(value, frame, {axis} - {a for a, _ in radix})
+                position, total, places = Index(axis), 1, {}
+                for a, coefficient in sorted(radix, key=lambda item: item[1]):
+                    digit: Expr = position if coefficient == 1 else Binary("floordiv", position, Const(coefficient))
+                    places[a] = digit if a == max(radix, key=lambda item: item[1])[0] else Binary(
+                        "mod", digit, Const(self.const_sizes()[a]))
+                    total = coefficient * self.const_sizes()[a]
+                value = substitute_index(value, places)
+                if self.const_sizes().get(axis) != total:  # a buffer longer than the view
+                    value = Where(Binary("lt", position, Const(total)), value, Const(0.0))
+                frame = tuple(a for a in frame if a not in places)
                 kept.append(axis)
             elif (group := _group_index(component, frame, rename)) is not None:
                 # k[b, h // g]: the stage's axis h runs over g members of each of the buffer's
@@ -335,10 +398,10 @@ class _Reverse:
                 value = Where(Binary("eq", component, Index(axis)), value, Const(0.0))
                 kept.append(axis)
         reduced = [a for a in frame if a not in rename]
-        clash = {r.axis for r in rename.values()} & set(reduced)
-        if clash:
-            raise FusionError(PASS, stage.name, f"load of {load.buffer!r}",
-                              f"axes {sorted(clash)} would be renamed onto axes that are summed over")
+        clash = {r.axis for r in rename.values() if isinstance(r, Index)} & set(reduced)
+        if clash:  # a summed axis that has the name of one the buffer is indexed by (x's in x @ x.T)
+            value, frame = self.renamed_apart(value, frame, clash)
+            reduced = [a for a in frame if a not in rename]
         axes = tuple(a for a in target_axes if a is not None)
         zero = _zero_condition(value)
         # the partial sums keep the frame's order (b, h, k, not k, b, h): their kernel then shares
@@ -396,8 +459,10 @@ class _Reverse:
         seeds = [i for i in self.seeds if grad_name(i) in reads]
         inputs += [InputBuffer(grad_name(i), program.outputs[i].dims) for i in seeds]
         outputs = tuple(OutputSpec(grads[n], self.inputs[n].dims) for n in nonzero)
+        held = {b.name for b in inputs}
+        sources = {**{a: src for a, src in program.axis_sizes.items() if src[0] in held}, **axis_sources(inputs)}
         backward = Program(f"{program.name}_backward", tuple(inputs), program.params, tuple(stages), outputs,
-                           axis_sources(inputs), dict(program.param_kinds), {**program.derived_axes, **self.derived})
+                           sources, dict(program.param_kinds), {**program.derived_axes, **self.derived})
         backward.validate()
         saved_order = tuple(sorted(set(saved), key=order.index))
         extra = [Stage(self.fresh(f"saved_{n}"), self.stages[n].axes,
@@ -581,6 +646,75 @@ def _affine_index(component: Expr, frame: tuple[str, ...], taken: dict[str, Expr
     if any(node.axis in free_axes(other) for i, other in enumerate(index) if i != pos):
         return None
     return node.axis, step, start
+
+
+def _mixed_radix(component: Expr, frame: tuple[str, ...], taken: dict[str, Expr], index: tuple[Expr, ...],
+                 pos: int, sizes: dict[str, int]) -> list[tuple[str, int]] | None:
+    """[(axis, coefficient)] where `component` is `h * c + ... + d` over two or more frame axes of
+    fixed sizes, not yet mapped nor read by another component, whose coefficients are the strides of
+    a row-major order (the innermost 1, each the next one's times that one's size)."""
+    terms: list[tuple[str, int]] = []
+    todo = [component]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, Binary) and node.op == "add":
+            todo += [node.a, node.b]
+        elif isinstance(node, Index):
+            terms.append((node.axis, 1))
+        elif (isinstance(node, Binary) and node.op == "mul" and isinstance(node.a, Index) and isinstance(node.b, Const)
+              and type(node.b.value) is int and node.b.value > 0):
+            terms.append((node.a.axis, node.b.value))
+        else:
+            return None
+    axes = [a for a, _ in terms]
+    if len(terms) < 2 or len(set(axes)) != len(axes) or any(a not in frame or a in taken or a not in sizes for a in axes):
+        return None
+    if any(a in free_axes(other) for i, other in enumerate(index) if i != pos for a in axes):
+        return None
+    stride = 1
+    for a, coefficient in sorted(terms, key=lambda t: t[1]):
+        if coefficient != stride:
+            return None
+        stride *= sizes[a]
+    return terms
+
+
+def _digit(component: Expr, n: str) -> tuple[int, int | None] | None:
+    """(c, s) where `component` is `(n // c) % s`, (c, None) where it is `n // c` (c = 1: `n`)."""
+    size = None
+    if isinstance(component, Binary) and component.op == "mod" and isinstance(component.b, Const):
+        size, component = component.b.value, component.a  # type: ignore[assignment]
+    coefficient = 1
+    if isinstance(component, Binary) and component.op == "floordiv" and isinstance(component.b, Const):
+        coefficient, component = component.b.value, component.a  # type: ignore[assignment]
+    if not (isinstance(component, Index) and component.axis == n and type(coefficient) is int and coefficient > 0
+            and (size is None or (type(size) is int and size > 0))):
+        return None
+    return coefficient, size
+
+
+def _unravelled(index: tuple[Expr, ...], frame: tuple[str, ...], sizes: dict[str, int]
+                ) -> tuple[str, dict[int, int]] | None:
+    """(n, {position: c}) where two or more components of a load's `index` are the digits of a
+    frame axis n of a fixed size in row-major order (`n // c0`, then `(n // c) % s`, the last
+    `n % s`) and no other component reads n."""
+    for n in frame:
+        if n not in sizes:
+            continue
+        reading = [p for p, component in enumerate(index) if n in free_axes(component)]
+        found = {p: _digit(index[p], n) for p in reading}
+        if len(reading) < 2 or any(d is None for d in found.values()):
+            continue
+        order = sorted(found.items(), key=lambda item: -item[1][0])  # type: ignore[index]
+        (_, (top, top_size)), rest = order[0], order[1:]
+        ok = top_size is None and rest[-1][1][0] == 1  # type: ignore[index]
+        above = top
+        for _, (coefficient, size) in rest:  # type: ignore[misc]
+            ok = ok and size is not None and coefficient * size == above
+            above = coefficient
+        if ok:
+            return n, {p: d[0] for p, d in found.items()}  # type: ignore[index]
+    return None
 
 
 def _group_index(component: Expr, frame: tuple[str, ...], taken: dict[str, Expr]) -> tuple[str, int] | None:

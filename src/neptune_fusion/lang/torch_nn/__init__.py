@@ -14,9 +14,9 @@ where `beta * x > threshold`; `rms_norm`'s default eps is `torch.finfo(torch.flo
 `reduction='mean'` divide by the (weighted) count of targets that are not `ignore_index`, NaN
 where every target is ignored. Targets outside `[0, C)` other than `ignore_index` read class 0
 (no bounds check in a kernel; torch raises). `log1p`, `expm1` (short series near 0) and `erfc` (a
-Chebyshev fit, not 1 - erf) keep float32's relative accuracy in the tails. Not supported (a TypeError says why): in-place
-variants (`inplace=True`), matrix norms, reshapes and views that merge or split axes, `prod`,
-`argmax` / `argmin`, scans and sorts, dropout while training.
+Chebyshev fit, not 1 - erf) keep float32's relative accuracy in the tails. Not supported (a
+TypeError says why): in-place variants (`inplace=True`), matrix norms, `prod`, `argmax` / `argmin`,
+scans and sorts, dropout while training.
 
 Example:
     >>> import torch, torch.nn.functional as F, neptune_fusion as nf
@@ -37,9 +37,6 @@ from neptune_fusion.lang.torch_nn.common import CONTEXT, no_out
 
 __all__ = ["CONTEXT", "HANDLERS", "UNSUPPORTED", "no_out"]
 
-_RESHAPE = ("a symbolic tensor's axes are index variables fixed by tracing, so merging or splitting them is not "
-            "supported; write the computation over the original axes (einsum contracts several at once)")
-
 # why torch operations without a handler are refused (torch_function adds it to its TypeError)
 UNSUPPORTED: dict[str, str] = {
     "prod": "kernels reduce with sum, max and min only; for positive values write torch.exp(torch.log(x).sum(dim))",
@@ -49,8 +46,6 @@ UNSUPPORTED: dict[str, str] = {
     "cumprod": "scans (prefix products) are not supported; only whole-axis reductions are",
     "sort": "sorting is not supported; only elementwise ops and reductions are",
     "topk": "selecting elements by rank is not supported",
-    "reshape": _RESHAPE, "view": _RESHAPE, "flatten": _RESHAPE, "unflatten": _RESHAPE, "view_as": _RESHAPE,
-    "reshape_as": _RESHAPE,
 }
 
 HANDLERS: dict[str, Callable[..., Any]] = {

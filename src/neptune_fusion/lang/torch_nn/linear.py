@@ -1,5 +1,6 @@
 """Linear maps and axis views: `F.linear`, `torch.einsum` (with '...' and implicit outputs), permutes, transposes,
-slices (split, chunk, narrow, select, unbind), concatenation (cat, stack) and expand."""
+slices (split, chunk, narrow, select, unbind), concatenation (cat, stack), expand, and reshapes (view,
+reshape, flatten, unflatten, squeeze)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from neptune_fusion.lang.tensor import (
     concatenate,
     constant_dim,
     einsum,
+    reshape,
 )
 from neptune_fusion.lang.torch_nn.common import CONTEXT, no_out, symbolic
 
@@ -175,6 +177,40 @@ def _permute(x: Any, *dims: Any) -> SymTensor:
     return SymTensor(tuple(x.dims[a] for a in order), x.expr, x.tracer, x.kind)
 
 
+def _shape_arg(sizes: tuple[Any, ...]) -> list[int]:
+    shape = list(sizes[0]) if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)) else list(sizes)
+    if not all(isinstance(s, int) and not isinstance(s, bool) for s in shape):
+        raise TypeError(f"a shape is a sequence of Python integers {CONTEXT}, got {sizes!r} (view(dtype) is not supported)")
+    return shape
+
+
+def _reshape(x: Any, *sizes: Any, shape: Any = None) -> SymTensor:
+    return reshape(symbolic(x), _shape_arg((shape,) if shape is not None else sizes))
+
+
+def _flatten(x: Any, start_dim: int = 0, end_dim: int = -1) -> SymTensor:
+    x = symbolic(x)
+    if x.ndim == 0:
+        return reshape(x, [1])
+    start, end = start_dim % x.ndim, end_dim % x.ndim
+    if start > end:
+        raise ValueError(f"flatten: start_dim {start_dim} comes after end_dim {end_dim}")
+    return reshape(x, [*x.shape[:start], -1, *x.shape[end + 1:]])
+
+
+def _unflatten(x: Any, dim: int, sizes: Any) -> SymTensor:
+    x = symbolic(x)
+    axis = dim % x.ndim
+    return reshape(x, [*x.shape[:axis], *_shape_arg((sizes,)), *x.shape[axis + 1:]])
+
+
+def _squeeze(x: Any, dim: Any = None) -> SymTensor:
+    x = symbolic(x)
+    axes = range(x.ndim) if dim is None else [a % x.ndim for a in (dim if isinstance(dim, (tuple, list)) else [dim])]
+    gone = {a for a in axes if x.shape[a] == 1}
+    return reshape(x, [s for a, s in enumerate(x.shape) if a not in gone])
+
+
 def _t(x: Any) -> SymTensor:
     x = symbolic(x)
     if x.ndim > 2:
@@ -193,4 +229,7 @@ HANDLERS: dict[str, Callable[..., Any]] = {
     "cat": _cat, "concat": _cat, "concatenate": _cat, "split": _split, "chunk": _chunk, "narrow": _narrow,
     "select": _select, "unbind": _unbind, "stack": _stack, "expand": _expand, "broadcast_to": _expand,
     "expand_as": lambda x, other: _expand(x, symbolic(other, x).shape),
+    "reshape": _reshape, "view": _reshape, "flatten": _flatten, "unflatten": _unflatten, "squeeze": _squeeze,
+    "view_as": lambda x, other: _reshape(x, tuple(other.shape)),
+    "reshape_as": lambda x, other: _reshape(x, tuple(other.shape)),
 }
