@@ -1,7 +1,8 @@
 """transformers model families that no issue names, on our attention against transformers' own
 (sdpa, or eager where the family has no sdpa path): tiny random configs, a padded batch, logits
 (or last hidden states) compared, greedy generation compared for causal models, and a training
-step's gradients where `--grad` is given. Families cover GQA, sliding windows (causal and
+step's gradients where `--grad` is given, over the real (unpadded) positions. Below fp32, ours and
+the reference are also both compared with the reference run in fp32. Families cover GQA, sliding windows (causal and
 ModernBERT's bidirectional band), attention sinks (gpt-oss), T5's relative position bias,
 DeepSeek-V3's value head size unlike the key's, encoder-decoder cross-attention (Whisper, T5),
 MoE blocks and partial rotary embeddings.
@@ -105,36 +106,67 @@ def output(model: torch.nn.Module, named: dict[str, torch.Tensor]) -> torch.Tens
     return (result.logits if hasattr(result, "logits") and result.logits is not None else result.last_hidden_state).float()
 
 
+def real_positions(kind: str, named: dict[str, torch.Tensor], shape: torch.Size) -> torch.Tensor:
+    """Where an output belongs to a real token: a padded query's row is whatever each implementation
+    makes of a row with nothing (or only padding) to attend to (sdpa on CUDA attends to every key there)."""
+    if kind in ("causal", "encoder"):
+        return named["attention_mask"].bool()
+    return torch.ones(shape[:-1], dtype=torch.bool, device=named[next(iter(named))].device)
+
+
+def gradients(model: torch.nn.Module, named: dict[str, torch.Tensor], weights: torch.Tensor) -> list[tuple[str, Any]]:
+    model.zero_grad()
+    (output(model, named) * weights).sum().backward()
+    return [(name, None if p.grad is None else p.grad.float()) for name, p in model.named_parameters()]
+
+
+def grad_error(got: list[tuple[str, Any]], want: list[tuple[str, Any]], family: str) -> float:
+    """The largest error of a parameter's gradient against its own scale, floored at a thousandth of
+    the largest (a gradient that is zero in exact arithmetic, as a key bias's under softmax, is
+    rounding on both sides)."""
+    pairs = [(name, a, b) for (name, a), (_, b) in zip(got, want) if b is not None]
+    missing = [name for name, a, _ in pairs if a is None]
+    if missing:
+        raise AssertionError(f"{family}: no gradient for {missing}")
+    floor = 1e-3 * max(float(b.abs().max()) for _, _, b in pairs)
+    return max(float((a - b).abs().max()) / max(float(b.abs().max()), floor) for _, a, b in pairs)
+
+
 def check(family: str, device: str, dtype: torch.dtype, grad: bool) -> dict[str, Any]:
+    """Ours against the family's reference implementation in `dtype`; below fp32, both against
+    the reference run in fp32 too (`ref_*`: what the reference's own rounding costs)."""
     _, _, kind, ref_impl = FAMILIES[family]
     ref = build(family, ref_impl, device, dtype, None)
-    ours = build(family, NAME, device, dtype, {k: v.float().cpu() for k, v in ref.state_dict().items()})
+    state = {k: v.float().cpu() for k, v in ref.state_dict().items()}
+    ours = build(family, NAME, device, dtype, state)
+    exact = build(family, ref_impl, device, torch.float32, state) if dtype != torch.float32 else None
     named = inputs(kind, device, dtype)
+    named32 = inputs(kind, device, torch.float32)
     row: dict[str, Any] = {"family": family, "reference": ref_impl, "dtype": str(dtype).removeprefix("torch.")}
     start = time.perf_counter()
     with torch.no_grad():
         got, want = output(ours, named), output(ref, named)
-        real = named["attention_mask"].bool() if kind in ("causal", "encoder") else torch.ones(got.shape[:-1], dtype=torch.bool)
+        real = real_positions(kind, named, got.shape)
         row["rel_err"] = float(((got - want)[real].abs().max() / want[real].abs().max()).item())
+        if exact is not None:
+            truth = output(exact, named32)
+            scale = truth[real].abs().max()
+            row["rel_err_vs_fp32"] = float(((got - truth)[real].abs().max() / scale).item())
+            row["ref_rel_err_vs_fp32"] = float(((want - truth)[real].abs().max() / scale).item())
         if kind == "causal":
             args = dict(attention_mask=named["attention_mask"], max_new_tokens=8, do_sample=False)
             a, b = ours.generate(named["input_ids"], **args), ref.generate(named["input_ids"], **args)
             row["generated_equal"] = float((a == b).float().mean().item())
     if grad:
-        # a random weighting of the output: the squared norm of a layer-normed output is about constant
-        weights = torch.randn(got.shape, generator=torch.Generator().manual_seed(4)).to(device)
-        for model in (ours, ref):
-            model.zero_grad()
-            (output(model, named) * weights).sum().backward()
-        pairs = [(name, a.grad, b.grad) for (name, a), b in zip(ours.named_parameters(), ref.parameters())
-                 if b.grad is not None]
-        missing = [name for name, a, _ in pairs if a is None]
-        if missing:
-            raise AssertionError(f"{family}: no gradient for {missing}")
-        # each parameter against its own scale, floored at a thousandth of the largest (a gradient
-        # that is zero in exact arithmetic, as a key bias's under softmax, is rounding on both sides)
-        floor = 1e-3 * max(float(b.abs().max()) for _, _, b in pairs)
-        row["grad_rel_err"] = max(float((a - b).abs().max()) / max(float(b.abs().max()), floor) for _, a, b in pairs)
+        # a random weighting of the real positions' outputs (the squared norm of a layer-normed output
+        # is about constant)
+        weights = torch.randn(got.shape, generator=torch.Generator().manual_seed(4)).to(device) * real[..., None]
+        ours_grads, ref_grads = gradients(ours, named, weights), gradients(ref, named, weights)
+        row["grad_rel_err"] = grad_error(ours_grads, ref_grads, family)
+        if exact is not None:
+            truth_grads = gradients(exact, named32, weights)
+            row["grad_rel_err_vs_fp32"] = grad_error(ours_grads, truth_grads, family)
+            row["ref_grad_rel_err_vs_fp32"] = grad_error(ref_grads, truth_grads, family)
     row["seconds"] = time.perf_counter() - start
     return row
 
