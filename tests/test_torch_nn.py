@@ -536,6 +536,54 @@ def test_reshape_heads_of_an_attention_block(randn: Callable[..., torch.Tensor])
     check_grad(block, *args)
 
 
+def _repeat_kv(h: Any, n_rep: int) -> Any:  # transformers' GQA: expand, then merge into heads
+    b, kvh, n, d = h.shape
+    return h[:, :, None, :, :].expand(b, kvh, n_rep, n, d).reshape(b, kvh * n_rep, n, d)
+
+
+def _gqa(q: Any, k: Any, v: Any) -> Any:
+    s = q @ _repeat_kv(k, 2).transpose(2, 3) / math.sqrt(q.shape[-1])
+    return torch.softmax(s, -1) @ _repeat_kv(v, 2)
+
+
+def _gpt2(x: Any, w: Any, b: Any) -> Any:  # one qkv projection split, heads by view, sdpa
+    n, t, c = x.size()
+    q, k, v = ((p.view(n, t, 4, c // 4).transpose(1, 2)) for p in (x @ w + b).split(c, dim=2))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).contiguous().view(n, t, c)
+
+
+def _lm_loss(h: Any, w: Any, labels: Any) -> Any:
+    logits = h @ w.T
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), labels.view(-1))
+
+
+def _patches(img: Any, w: Any) -> Any:  # ViT's patch embedding as a reshape, a permute and a linear map
+    n, c, hh, ww = img.shape
+    x = img.reshape(n, c, hh // 4, 4, ww // 4, 4).permute(0, 2, 4, 1, 3, 5).reshape(n, -1, c * 16)
+    return x @ w
+
+
+def _heads_in_batch(x: Any) -> Any:  # nn.MultiheadAttention's (T, B * H, D) layout
+    t, b, c = x.shape
+    q = x.reshape(t, b * 4, c // 4).transpose(0, 1)
+    return (torch.softmax(q @ q.transpose(1, 2), -1) @ q).transpose(0, 1).reshape(t, b, c)
+
+
+@pytest.mark.parametrize("name,fn,shapes", [
+    ("repeat_kv", _gqa, ((1, 4, 16, 8), (1, 2, 16, 8), (1, 2, 16, 8))),
+    ("gpt2", _gpt2, ((2, 16, 32), (32, 96), (96,))),
+    ("lm_loss", _lm_loss, ((2, 8, 16), (40, 16), "labels")),
+    ("patches", _patches, ((2, 3, 16, 16), (48, 8))),
+    ("heads_in_batch", _heads_in_batch, ((16, 2, 16),)),
+    ("group_norm", lambda x, w, b: F.group_norm(x, 2, w, b), ((2, 4, 4, 4), (4,), (4,))),
+])
+def test_model_code_with_reshapes(name: str, fn: Callable[..., Any], shapes: tuple[Any, ...],
+                                  randn: Callable[..., torch.Tensor], randint: Callable[..., torch.Tensor]) -> None:
+    args = [randint(0, 40, 2, 8) if shape == "labels" else randn(*shape, scale=0.3) for shape in shapes]
+    check(fn, *args, atol=1e-4)
+    check_grad(fn, *args)
+
+
 def test_reshape_refusals(randn: Callable[..., torch.Tensor]) -> None:
     with pytest.raises(ValueError, match=r"reshape: shape \[5, -1\] is invalid"):
         nf.compile(lambda v: v.view(5, -1))(randn(16, 24))

@@ -393,11 +393,15 @@ def partition_loops(program: Program, held: frozenset[str]) -> list[Group]:
                         todo.append(st.name)
         return found
 
+    # a reduction read at other positions than its own (through a reshape) is computed by a kernel
+    # of its own: a kernel holds only its own rows of what it computes
+    reductions = {st.name for st in stages if st.reduce_op is not None}
+    shifted = {r for st in stages for r in _shifted_loads(st.name, by_name, reductions)}
     for st in reversed(stages):
         if st.reduce_op is None:
             continue
         readers = readers_through(st.name)
-        if (st.name in outputs or st.reduce_axis not in held or not readers
+        if (st.name in outputs or st.name in shifted or st.reduce_axis not in held or not readers
                 or any(by_name[r].reduce_axis not in st.axes for r in readers)):
             loops[st.name] = (st.reduce_axis, frozenset(st.axes) - held)
 
@@ -421,8 +425,7 @@ def partition_loops(program: Program, held: frozenset[str]) -> list[Group]:
         if name in outputs and by_name[name].reduce_op is None:
             read = loop_reads(name)
             # one that reads a reduction at other positions than its own (a reshape's gradient)
-            # follows every kernel: a kernel holds only its own rows of what it reduces
-            last = len(kernels) if _shifted_loads(name, by_name, set(loops)) else max(
+            last = len(kernels) if _shifted_loads(name, by_name, set(loops)) else max(  # after them all
                 (kernel_of[r] for r in read), default=len(kernels))
             extra.setdefault(last, []).append(name)
     groups: list[Group] = []
@@ -434,10 +437,10 @@ def partition_loops(program: Program, held: frozenset[str]) -> list[Group]:
     return groups
 
 
-def _shifted_loads(name: str, by_name: dict[str, Stage], reductions: set[str]) -> bool:
-    """Whether stage `name` reads one of `reductions` at positions that are not plain axes, directly
-    or through element-wise stages (one read at such positions shifts what it reads too)."""
-    todo, seen = [(name, False)], set()
+def _shifted_loads(name: str, by_name: dict[str, Stage], reductions: set[str]) -> set[str]:
+    """The `reductions` that stage `name` reads at positions that are not plain axes, directly or
+    through element-wise stages (one read at such positions shifts what it reads too)."""
+    todo, seen, found = [(name, False)], set(), set()
     while todo:
         current, shifted = todo.pop()
         stage = by_name.get(current)
@@ -450,10 +453,10 @@ def _shifted_loads(name: str, by_name: dict[str, Stage], reductions: set[str]) -
             moved = shifted or any(not isinstance(component, Index) for component in load.index)
             if load.buffer in reductions:
                 if moved:
-                    return True
+                    found.add(load.buffer)
             elif load.buffer in by_name and by_name[load.buffer].reduce_op is None:
                 todo.append((load.buffer, moved))
-    return False
+    return found
 
 
 def _kernels(order: list[str], loops: dict[str, tuple[str, frozenset[str]]],

@@ -71,6 +71,7 @@ from neptune_fusion.ir.expr import (
     rebuild,
     simplify,
     substitute_index,
+    transform_bottom_up,
     walk,
 )
 from neptune_fusion.ir.program import FusedLoop, InputBuffer, OutputSpec, Program, Stage, axis_sources
@@ -191,7 +192,7 @@ class _Reverse:
 
     def emit(self, base: str, axes: tuple[str, ...], body: Expr) -> str:
         name = self.fresh(base)
-        self.new.append(Stage(name, axes, simplify(body)))
+        self.new.append(Stage(name, axes, simplify(whole_digits(body, self.const_sizes()))))
         return name
 
     # --- the pass ---------------------------------------------------------------------
@@ -328,7 +329,9 @@ class _Reverse:
                 frame = tuple(a for a in frame if a != n)
             else:
                 digits = {}
-        for pos, (component, axis) in enumerate(zip(load.index, target_axes)):
+        index = list(load.index)  # the components, as the substitutions below leave them
+        for pos, axis in enumerate(target_axes):
+            component = index[pos]
             if axis is None:
                 continue
             if pos in digits:
@@ -341,7 +344,7 @@ class _Reverse:
                 sources = self.program.axis_sizes
                 if load.buffer in self.inputs and component.axis != axis and sources.get(component.axis) != sources.get(axis):
                     self.narrowed.add((load.buffer, pos, component.axis))
-            elif (shift := _affine_index(component, frame, rename, load.index, pos)) is not None:
+            elif (shift := _affine_index(component, frame, rename, tuple(index), pos)) is not None:
                 # x[..., s * step + start, ...] (a slice): the gradient at the buffer's position p
                 # comes from s = (p - start) / step, where that lies on the slice
                 var, step, start = shift
@@ -355,7 +358,7 @@ class _Reverse:
                 value = Where(on_slice, substitute_index(value, {var: inside}), Const(0.0))
                 frame = tuple(a for a in frame if a != var)
                 kept.append(axis)
-            elif (radix := _mixed_radix(component, frame, rename, load.index, pos, self.const_sizes())) is not None:
+            elif (radix := _mixed_radix(component, frame, rename, tuple(index), pos, self.const_sizes())) is not None:
                 # x[..., h * c + d, ...] (a reshape that split the buffer's axis into the frame's h, d):
                 # the buffer's position p is read once, at h = p // c, d = p % c
                 value, frame = self.renamed_apart(value, frame, {axis} - {a for a, _ in radix})
@@ -376,8 +379,12 @@ class _Reverse:
                 head, size = group
                 member = self.fresh(f"{head}_of_{axis}")
                 self.derived[member] = ("const", size, None)
-                value = substitute_index(value, {head: Binary("add", Binary("mul", Index(axis), Const(size)),
-                                                              Index(member))})
+                spread = {head: Binary("add", Binary("mul", Index(axis), Const(size)), Index(member))}
+                value = substitute_index(value, spread)
+                # the later components read the head axis as the buffer's axis and the member too
+                # (`h % g` becomes the member)
+                index[pos + 1:] = [simplify(whole_digits(substitute_index(c, spread), self.const_sizes()))
+                                   for c in index[pos + 1:]]
                 frame = tuple(member if a == head else a for a in frame)
                 kept.append(axis)
             else:  # a computed index: the gradient lands where the index equals the buffer's position
@@ -646,6 +653,58 @@ def _affine_index(component: Expr, frame: tuple[str, ...], taken: dict[str, Expr
     if any(node.axis in free_axes(other) for i, other in enumerate(index) if i != pos):
         return None
     return node.axis, step, start
+
+
+def whole_digits(expr: Expr, sizes: dict[str, int]) -> Expr:
+    """`expr` with `(a * c + x) // c` read as `a` and `(a * c + x) % c` as `x` wherever the terms
+    not divisible by c stay below c (x an axis of a fixed size under c): a reshape's digits of its
+    own flat index are the axes they came from.
+
+    Example:
+        >>> from neptune_fusion.ir.expr import Binary, Const, Index
+        >>> flat = Binary("add", Binary("mul", Index("a"), Const(8)), Index("x"))
+        >>> whole_digits(Binary("floordiv", flat, Const(8)), {"x": 8}), whole_digits(Binary("mod", flat, Const(8)), {"x": 8})
+        (Index(axis='a'), Index(axis='x'))
+    """
+    def rule(node: Expr) -> Expr | None:
+        if not (isinstance(node, Binary) and node.op in ("floordiv", "mod") and isinstance(node.b, Const)
+                and type(node.b.value) is int and node.b.value > 0):
+            return None
+        terms = _linear_terms(node.a)
+        if terms is None:
+            return None
+        c = node.b.value
+        whole = [(a, k // c) for a, k in terms if k % c == 0]
+        rest = [(a, k) for a, k in terms if k % c != 0]
+        if any(a not in sizes for a, _ in rest) or sum(k * (sizes[a] - 1) for a, k in rest) >= c:
+            return None
+        return _linear_sum(whole if node.op == "floordiv" else rest)
+
+    return transform_bottom_up(expr, rule)
+
+
+def _linear_terms(expr: Expr) -> list[tuple[str, int]] | None:
+    """[(axis, coefficient)] where `expr` is a sum of axes times non-negative integer constants."""
+    if isinstance(expr, Index):
+        return [(expr.axis, 1)]
+    if isinstance(expr, Binary) and expr.op == "add":
+        a, b = _linear_terms(expr.a), _linear_terms(expr.b)
+        return None if a is None or b is None else a + b
+    if (isinstance(expr, Binary) and expr.op == "mul" and isinstance(expr.b, Const) and type(expr.b.value) is int
+            and expr.b.value >= 0):
+        inner = _linear_terms(expr.a)
+        return None if inner is None else [(a, k * expr.b.value) for a, k in inner]  # type: ignore[operator]
+    return None
+
+
+def _linear_sum(terms: list[tuple[str, int]]) -> Expr:
+    parts = [Index(a) if k == 1 else Binary("mul", Index(a), Const(k)) for a, k in terms if k != 0]
+    if not parts:
+        return Const(0)
+    total = parts[0]
+    for part in parts[1:]:
+        total = Binary("add", total, part)
+    return total
 
 
 def _mixed_radix(component: Expr, frame: tuple[str, ...], taken: dict[str, Expr], index: tuple[Expr, ...],

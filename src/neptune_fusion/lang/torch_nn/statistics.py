@@ -1,4 +1,5 @@
-"""Softmax, normalisations, norms and moments (`F.layer_norm`, `F.rms_norm`, `torch.var`, `vector_norm`, ...)."""
+"""Softmax, normalisations, norms and moments (`F.layer_norm`, `F.group_norm`, `F.rms_norm`, `torch.var`,
+`vector_norm`, ...)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from neptune_fusion.lang.tensor import (
     cast,
     mean,
     reduce_axes,
+    reshape,
     unary,
 )
 from neptune_fusion.lang.torch_nn.common import CONTEXT, dim_axes, element_count, floating, no_out, symbolic
@@ -75,6 +77,23 @@ def _layer_norm(input: Any, normalized_shape: Any, weight: Any = None, bias: Any
     centred = binary("sub", x, mean(x, axes, True))
     variance = mean(binary("mul", centred, centred), axes, True)  # biased, as torch
     return _affine(binary("mul", centred, unary("rsqrt", binary("add", variance, eps))), weight, bias)
+
+
+def _group_norm(input: Any, num_groups: int, weight: Any = None, bias: Any = None,  # noqa: A002
+                eps: float = 1e-5) -> SymTensor:
+    """F.group_norm: the channels of (N, C, *) in `num_groups` groups, each normalised over its
+    channels and positions (a reshape to (N, G, -1), a view), then the per-channel affine map."""
+    x = floating(input)
+    if x.ndim < 2 or x.shape[1] % num_groups:
+        raise ValueError(f"group_norm: {num_groups} groups do not divide the channels of an input of shape "
+                         f"{list(x.shape)}")
+    grouped = reshape(x, [x.shape[0], num_groups, -1])
+    centred = binary("sub", grouped, mean(grouped, -1, True))
+    variance = mean(binary("mul", centred, centred), -1, True)  # biased, as torch
+    y = reshape(binary("mul", centred, unary("rsqrt", binary("add", variance, eps))), list(x.shape))
+    per_channel = (slice(None),) + (None,) * (x.ndim - 2)
+    return _affine(y, None if weight is None else symbolic(weight, x)[per_channel],
+                   None if bias is None else symbolic(bias, x)[per_channel])
 
 
 def _rms_norm(input: Any, normalized_shape: Any, weight: Any = None, eps: float | None = None) -> SymTensor:  # noqa: A002
@@ -216,7 +235,7 @@ def _count_nonzero(x: Any, dim: Any = None) -> SymTensor:
 
 HANDLERS: dict[str, Callable[..., Any]] = {
     "softmax": _softmax, "log_softmax": log_softmax, "logsumexp": _logsumexp, "special_logsumexp": _logsumexp,
-    "layer_norm": _layer_norm, "rms_norm": _rms_norm, "normalize": _normalize, "norm": _norm,
+    "layer_norm": _layer_norm, "group_norm": _group_norm, "rms_norm": _rms_norm, "normalize": _normalize, "norm": _norm,
     "linalg_vector_norm": _vector_norm, "linalg_norm": _linalg_norm, "cosine_similarity": _cosine_similarity,
     "var": _var, "std": _std, "var_mean": _var_mean, "std_mean": _std_mean, "softmin": _softmin,
     "any": _truth("max", "any"), "all": _truth("min", "all"), "count_nonzero": _count_nonzero,
