@@ -584,6 +584,28 @@ def test_model_code_with_reshapes(name: str, fn: Callable[..., Any], shapes: tup
     check_grad(fn, *args)
 
 
+@pytest.mark.parametrize("spec", ["blc,hdc->bhld", "blc,hdc->lbhd", "lc,hdc->hld"])
+def test_einsum_with_several_output_axes_per_operand(spec: str, randn: Callable[..., torch.Tensor]) -> None:
+    """A projection into heads as one einsum: the tile holds the row and one axis of the other
+    operand, the operands' other output axes go across the grid."""
+    x = randn(2, 16, 32) if spec.startswith("blc") else randn(16, 32)
+    check(lambda x, w: torch.einsum(spec, x, w), x, randn(4, 8, 32), atol=1e-4)
+    check_grad(lambda x, w: torch.einsum(spec, x, w), x, randn(4, 8, 32))
+
+
+def test_einsum_attention_block_with_per_head_weights(randn: Callable[..., torch.Tensor]) -> None:
+    """Projections as einsums with per-head weights, the output projection contracting two letters
+    (heads and head dim) at once: values and gradients."""
+    def block(x: Any, wq: Any, wk: Any, wv: Any, wo: Any) -> Any:
+        q, k, v = (torch.einsum("blc,hdc->bhld", x, w) for w in (wq, wk, wv))
+        o = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(8), -1) @ v
+        return torch.einsum("bhld,nhd->bln", o, wo)
+
+    args = (randn(2, 16, 32), *(randn(4, 8, 32, scale=0.2) for _ in range(3)), randn(32, 4, 8, scale=0.2))
+    check(block, *args, atol=1e-4)
+    check_grad(block, *args)
+
+
 def test_reshape_refusals(randn: Callable[..., torch.Tensor]) -> None:
     with pytest.raises(ValueError, match=r"reshape: shape \[5, -1\] is invalid"):
         nf.compile(lambda v: v.view(5, -1))(randn(16, 24))

@@ -250,8 +250,20 @@ def assign_roles(program: Program) -> AxisRoles:
     if spatial and spatial[-1] in reused and computed:
         spatial = (*(a for a in spatial if a != computed[0]), computed[0])
     row = spatial[-1] if spatial else UNIT_ROW
-    batch = tuple(a for a in spatial[:-1] if a not in reused)
-    full: list[str] = [a for a in spatial[:-1] if a in reused]
+    # a batch axis indexes the whole program's grid: every member has it (dK's and dV's sums
+    # over one loop, of head dims d and d2, hold those in the tile)
+    everywhere = set.intersection(*(set(m.axes) for m in loop.members)) if loop.members else set(spatial)
+    shared = [a for a in spatial[:-1] if a in reused or a not in everywhere]
+    running = {m.name for m in loop.members}  # (their running values are not operands)
+    loads = [free_axes(n) for m in loop.members for n in walk(m.body) if isinstance(n, Load) and n.buffer not in running]
+    other = [a for a in shared if a in everywhere and not any(a in axes and row in axes for axes in loads)]
+    if len(shared) > 1 and other:
+        # a dot's tile holds the row and one axis of the other operand: further output axes that
+        # one operand alone has (bhld's b and h, from `blc,hdc->bhld`) go across the grid, each
+        # program then reading that operand's slice for its index
+        shared = [a for a in shared if a == other[-1] or a not in everywhere]
+    batch = tuple(a for a in spatial[:-1] if a not in shared)
+    full: list[str] = list(shared)
     known = {row, loop.axis, *batch}
 
     def note(axes: set[str] | tuple[str, ...]) -> None:

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from neptune_fusion.algebra import symbolic
 from neptune_fusion.analysis.chains import find_chains
@@ -130,7 +130,41 @@ def differentiate(program: Program, wrt: tuple[str, ...]) -> Gradient:
         buf = program.input(name)
         if buf.kind != "float":
             raise FusionError(PASS, name, "input", f"only float inputs have gradients ({buf.kind} given)")
+    program = _one_sum_a_stage(program)
     return save_log_normalisers(_Reverse(program, tuple(wrt)).run(), program)
+
+
+def _one_sum_a_stage(program: Program) -> Program:
+    """`program` with each sum of sums (an einsum contracting several letters, `bhld,nhd->bln`)
+    written as a chain of stages, one sum each: the reverse pass differentiates a stage's one
+    reduction.
+
+    Example:
+        >>> from neptune_fusion.ir.expr import Index, Load, Reduce
+        >>> x = Load("x", (Index("i"), Index("j"), Index("k")))
+        >>> p = Program("p", (InputBuffer("x", ("i", "j", "k")),), (), (Stage("s", ("i",), Reduce("sum", "j", Reduce("sum", "k", x))),),
+        ...             (OutputSpec("s", ("i",)),), {"i": ("x", 0), "j": ("x", 1), "k": ("x", 2)})
+        >>> [(st.name, st.axes) for st in _one_sum_a_stage(p).stages]
+        [('s_over_k', ('i', 'j')), ('s', ('i',))]
+    """
+    taken = {st.name for st in program.all_stages()} | {b.name for b in program.inputs}
+    stages: list[Stage] = []
+    changed = False
+    for st in program.stages:
+        if not (isinstance(st, Stage) and isinstance(st.body, Reduce) and st.body.op == "sum"
+                and isinstance(st.body.body, Reduce) and st.body.body.op == "sum"):
+            stages.append(st)  # type: ignore[arg-type]
+            continue
+        changed = True
+        outer, inner = st.body, st.body.body
+        name = next(n for n in (f"{st.name}_over_{inner.axis}{'' if k == 0 else f'_{k}'}" for k in itertools.count())
+                    if n not in taken)
+        taken.add(name)
+        axes = (*st.axes, outer.axis)
+        split = _one_sum_a_stage(replace(program, stages=(Stage(name, axes, inner),)))
+        stages.extend(split.stages)  # type: ignore[arg-type]
+        stages.append(Stage(st.name, st.axes, Reduce("sum", outer.axis, Load(name, tuple(map(Index, axes))))))
+    return replace(program, stages=tuple(stages)) if changed else program
 
 
 class _Reverse:
