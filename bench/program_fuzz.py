@@ -3,7 +3,8 @@
 reduction when the output is the map; the mean of all of x, an output wider than its reduction), an element-wise map of it
 and the row (a normalisation, an affine mix, an exponential, a sigmoid), optionally times a
 per-column weight, then a matmul, a row sum, a column sum, a max, or the map itself as the output,
-each reading x, g and w whole, through a slice of the model dimension, or every other position;
+each reading x, g and w whole, through a slice of the model dimension, every other position, or
+the model dimension interleaved by reshapes (split in two, swapped, merged back);
 fp32 and fp16, sizes drawn so no axis need be a multiple of a tile, output widths on both sides of
 the cuBLAS break-even (schedule/library.py). Each against the reference executor.
 
@@ -32,14 +33,19 @@ import neptune_fusion as nf  # noqa: E402
 STATISTICS = ("mean", "max", "rms", "std", "logsumexp", "absmax", "none", "total")
 MAPS = ("norm", "affine", "exp", "sigmoid")
 TAILS = ("matmul", "rowsum", "colsum", "max", "out")
-VIEWS = ("whole", "whole", "slice", "step")  # how the program reads the model dimension of x, g and w
+VIEWS = ("whole", "whole", "slice", "step", "interleave")  # how the program reads the model dimension of x, g and w
 
 
 def viewed(kind: str, t: Any, axis: int) -> Any:
-    """`t` along `axis` whole, a slice of its middle, or every other position (views; no copies)."""
-    if kind == "whole":
-        return t
+    """`t` along `axis` whole, a slice of its middle, every other position, or its halves
+    interleaved (views; no copies)."""
     n = t.shape[axis]
+    if kind == "whole" or (kind == "interleave" and n % 2):
+        return t
+    if kind == "interleave":
+        shape = list(t.shape)
+        halves = t.reshape(*shape[:axis], 2, n // 2, *shape[axis + 1:]).transpose(axis, axis + 1)
+        return halves.reshape(shape)
     lo = n // 4
     key = slice(lo, max(lo + 1, n - n // 5)) if kind == "slice" else slice(n % 2, None, 2) if n > 1 else slice(None)
     return t[(slice(None),) * axis + (key,)]
