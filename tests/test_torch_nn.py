@@ -640,6 +640,17 @@ def test_grad_activations(randn: Callable[..., torch.Tensor]) -> None:
     check_grad(lambda v, w: (torch.erfc(v) + F.elu(v) + F.hardswish(v * 2)) @ w, v, w)
 
 
+@pytest.mark.parametrize("name,fn", [
+    ("straight_through", lambda x, w: (x + ((x > 0).float() - x).detach()) @ w),
+    ("stop_max", lambda x, w: (x - x.amax(-1, keepdim=True).detach()).exp() @ w),
+    ("fixed_target", lambda x, w: ((x @ w - (x @ w).detach().tanh()) ** 2).mean()),
+])
+def test_grad_stops_at_detach(name: str, fn: Callable[..., Any], randn: Callable[..., torch.Tensor]) -> None:
+    """No gradient flows through `detach` (it used to be read as the value alone: the gradients
+    above went through it, silently wrong)."""
+    check_grad(fn, randn(16, 24), randn(24, 8))
+
+
 def test_grad_swiglu(randn: Callable[..., torch.Tensor]) -> None:
     v, w1, w2 = randn(16, 24), randn(24, 12), randn(24, 12)
     check_grad(lambda v, w1, w2: (F.silu(v @ w1) * (v @ w2)).sum(-1), v, w1, w2)

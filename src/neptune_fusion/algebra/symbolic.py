@@ -74,7 +74,7 @@ _UNARY: dict[str, Any] = {
     "neg": lambda x: -x, "exp": sp.exp, "exp2": lambda x: sp.Integer(2) ** x, "log": sp.log,
     "log2": lambda x: sp.log(x, 2), "tanh": sp.tanh, "sigmoid": lambda x: 1 / (1 + sp.exp(-x)),
     "sqrt": sp.sqrt, "rsqrt": lambda x: 1 / sp.sqrt(x), "abs": sp.Abs, "sin": sp.sin,
-    "cos": sp.cos, "recip": lambda x: 1 / x, "erf": sp.erf,
+    "cos": sp.cos, "recip": lambda x: 1 / x, "erf": sp.erf, "detach": lambda x: x,
 }
 _BINARY: dict[str, Any] = {
     "add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,

@@ -129,7 +129,7 @@ _UNARY = {
     "exp2": "tl.exp2({})", "log": "tl.log({})", "log2": "tl.log2({})", "tanh": "_tanh({})",
     "sigmoid": "tl.sigmoid({})", "sqrt": "tl.sqrt({})", "rsqrt": "tl.rsqrt({})", "abs": "tl.abs({})",
     "neg": "-{}", "not": "({} == 0)", "sin": "tl.sin({})", "cos": "tl.cos({})", "recip": "(1.0 / {})",
-    "exp": "tl.exp({})", "erf": "tl.erf({})",
+    "exp": "tl.exp({})", "erf": "tl.erf({})", "detach": "{}",
 }
 _BINARY = {
     "add": "{} + {}", "sub": "{} - {}", "mul": "{} * {}", "div": "{} / {}",

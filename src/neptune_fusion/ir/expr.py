@@ -21,6 +21,7 @@ Number = Union[int, float, bool]
 UNARY_OPS = (
     "neg", "exp", "exp2", "log", "log2", "tanh", "sigmoid", "sqrt", "rsqrt",
     "abs", "not", "sin", "cos", "recip", "erf",
+    "detach",  # the value itself, through which no gradient flows (torch's x.detach())
 )
 BINARY_OPS = (
     "add", "sub", "mul", "div", "max", "min", "pow",
@@ -355,6 +356,6 @@ def _fold_unary(op: str, x: Number) -> Number:
         "log2": math.log2, "tanh": math.tanh, "sigmoid": lambda v: 1 / (1 + math.exp(-v)),
         "sqrt": math.sqrt, "rsqrt": lambda v: 1 / math.sqrt(v), "abs": abs,
         "not": lambda v: not v, "sin": math.sin, "cos": math.cos, "recip": lambda v: 1 / v,
-        "erf": math.erf,
+        "erf": math.erf, "detach": lambda v: v,
     }
     return table[op](x)

@@ -493,6 +493,12 @@ def _identity(x: Any, *_: Any, **__: Any) -> Any:
     return x
 
 
+def _detach(x: Any) -> Any:
+    """x.detach(): the value, through which no gradient flows (a straight-through estimator's
+    `x + (q - x).detach()` differentiates as x)."""
+    return unary("detach", x) if isinstance(x, SymTensor) and x.kind == "float" else x
+
+
 def _data_dependent(name: str) -> Callable[..., Any]:
     def fn(*_: Any, **__: Any) -> Any:
         raise TypeError(
@@ -564,7 +570,7 @@ _HANDLERS: dict[str, Callable[..., Any]] = {
     "to": _to, "type": _type, "float": _cast_to(torch.float32), "half": _cast_to(torch.float16),
     "bfloat16": _cast_to(torch.bfloat16), "double": _cast_to(torch.float64), "int": _cast_to(torch.int32),
     "long": _cast_to(torch.int64), "bool": _cast_to(torch.bool), "short": _cast_to(torch.int16),
-    "clone": _identity, "contiguous": _identity, "detach": _identity,
+    "clone": _identity, "contiguous": _identity, "detach": _detach,
     "repeat_interleave": _repeat_interleave,
     "__getitem__": getitem,
     # values Python would need concretely

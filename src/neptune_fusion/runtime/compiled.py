@@ -76,6 +76,7 @@ from neptune_fusion.tile.resources import (
     plan_usage,
     shared_memory_estimate,
 )
+from neptune_fusion.transform.grad import without_detach
 from neptune_fusion.transform.layout import group_divisor, pack_groups
 
 FLOAT_TORCH = (torch.float16, torch.bfloat16, torch.float32)
@@ -581,6 +582,7 @@ class Compiled:
         options = options or self.options or Options.from_environment()
         interpreter = options.interpreter
         device = _check_tensors(program, args, interpreter)
+        program = without_detach(program)
         if plan is None and isinstance(self.schedule, (Auto, Autotune)):
             routed = library_contraction(program, axis_extents(program, args), gemm_dtype(program, args))
             if isinstance(routed, LibraryContraction):

@@ -234,7 +234,7 @@ _UNARY = {
     "neg": torch.neg, "exp": torch.exp, "exp2": torch.exp2, "log": torch.log, "log2": torch.log2,
     "tanh": torch.tanh, "sigmoid": torch.sigmoid, "sqrt": torch.sqrt, "rsqrt": torch.rsqrt,
     "abs": torch.abs, "not": torch.logical_not, "sin": torch.sin, "cos": torch.cos,
-    "recip": torch.reciprocal, "erf": torch.erf,
+    "recip": torch.reciprocal, "erf": torch.erf, "detach": torch.Tensor.detach,
 }
 _BINARY = {
     "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.true_divide,

@@ -105,7 +105,7 @@ def _unary(node: Unary, dx: Expr | None) -> Expr | None:
         "recip": -(node * node),
         "erf": Const(2.0 / math.sqrt(math.pi)) * Unary("exp", -(x * x)),
     }
-    if op == "not":
+    if op in ("not", "detach"):
         return None
     return _scale(factor[op], dx)
 

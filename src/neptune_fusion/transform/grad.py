@@ -134,6 +134,28 @@ def differentiate(program: Program, wrt: tuple[str, ...]) -> Gradient:
     return save_log_normalisers(_Reverse(program, tuple(wrt)).run(), program)
 
 
+def without_detach(program: Program) -> Program:
+    """`program` with its `detach`es read as the values they hold: what runs forward (a gradient
+    is derived from the program that has them).
+
+    Example:
+        >>> from neptune_fusion.ir.expr import Index, Load, Unary
+        >>> p = Program("p", (InputBuffer("x", ("i",)),), (), (Stage("y", ("i",), Unary("detach", Load("x", (Index("i"),)))),),
+        ...             (OutputSpec("y", ("i",)),), {"i": ("x", 0)})
+        >>> without_detach(p).stages[0].body
+        Load(buffer='x', index=(Index(axis='i'),))
+    """
+    def plain(node: Expr) -> Expr | None:
+        return node.x if isinstance(node, Unary) and node.op == "detach" else None
+
+    if not any(isinstance(n, Unary) and n.op == "detach" for st in program.all_stages() for n in walk(st.body)):
+        return program
+    stages = [replace(st, body=transform_bottom_up(st.body, plain)) if isinstance(st, Stage) else
+              replace(st, members=tuple(replace(m, body=transform_bottom_up(m.body, plain)) for m in st.members))
+              for st in program.stages]
+    return replace(program, stages=tuple(stages))
+
+
 def _one_sum_a_stage(program: Program) -> Program:
     """`program` with each sum of sums (an einsum contracting several letters, `bhld,nhd->bln`)
     written as a chain of stages, one sum each: the reverse pass differentiates a stage's one
