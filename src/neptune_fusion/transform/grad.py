@@ -246,6 +246,37 @@ class _Reverse:
             return value, frame
         return substitute_index(value, {a: Index(b) for a, b in fresh.items()}), tuple(fresh.get(a, a) for a in frame)
 
+    def merged_view(self, load: Load, value: Expr, frame: tuple[str, ...], target_axes: tuple[str | None, ...]
+                    ) -> tuple[Expr, tuple[str, ...], dict[int, int]]:
+        """`load` reads `buf[n // c0, (n // c1) % s1, ..., n % sk]` (a reshape that merged the
+        buffer's axes into the frame's n): each n is one position of the buffer, n = the sum of
+        its positions times their strides, so `value` is read there and n leaves the frame. The
+        digits' positions in the load's index, with their strides ({} where it is no such read)."""
+        merged = _unravelled(load.index, frame, self.const_sizes())
+        if merged is None or any(target_axes[p] is None for p in merged[1]):
+            return value, frame, {}
+        n, digits = merged
+        value, frame = self.renamed_apart(value, frame, {target_axes[p] for p in digits} - {n})  # type: ignore[misc]
+        sizes = self.const_sizes()
+        order = sorted(digits.items(), key=lambda item: -item[1])
+        top = target_axes[order[0][0]]
+        flat: Expr = Index(top)  # type: ignore[arg-type]
+        flat = Binary("mul", flat, Const(order[0][1])) if order[0][1] != 1 else flat
+        # positions the view does not reach (a buffer longer than the digit's range) get no
+        # gradient; a buffer of exactly the view's extents (a reshape's) needs no test
+        outside: list[Expr] = []
+        for (p, stride), (_, above) in zip(order[1:], order):
+            axis = Index(target_axes[p])  # type: ignore[arg-type]
+            flat = Binary("add", flat, Binary("mul", axis, Const(stride)) if stride != 1 else axis)
+            if sizes.get(axis.axis) != above // stride:
+                outside.append(Binary("lt", axis, Const(above // stride)))
+        if outside or sizes.get(top) != sizes[n] // order[0][1]:  # type: ignore[arg-type]
+            outside.append(Binary("lt", flat, Const(sizes[n])))
+        value = substitute_index(value, {n: flat})
+        for condition in outside:
+            value = Where(condition, value, Const(0.0))
+        return value, tuple(a for a in frame if a != n), digits
+
     def emit(self, base: str, axes: tuple[str, ...], body: Expr) -> str:
         name = self.fresh(base)
         self.new.append(Stage(name, axes, simplify(whole_digits(body, self.const_sizes()))))
@@ -355,36 +386,7 @@ class _Reverse:
         target_axes = self.axes_of(load.buffer)
         rename: dict[str, Expr] = {}
         kept: list[str] = []  # per named position of the buffer: the frame axis (or its own, if computed)
-        digits: dict[int, int] = {}
-        if (merged := _unravelled(load.index, frame, self.const_sizes())) is not None:
-            # buf[n // c0, (n // c1) % s1, ..., n % sk] (a reshape that merged the buffer's axes into
-            # the frame's n): each n is one position of the buffer, n = sum of position * c
-            n, digits = merged
-            named = [target_axes[p] for p in digits]
-            if None not in named:
-                value, frame = self.renamed_apart(value, frame, {a for a in named if a is not None} - {n})
-                sizes = self.const_sizes()
-                order = sorted(digits.items(), key=lambda item: -item[1])
-                top = target_axes[order[0][0]]
-                flat: Expr = Index(top)  # type: ignore[arg-type]
-                flat = Binary("mul", flat, Const(order[0][1])) if order[0][1] != 1 else flat
-                # positions the view does not reach (a buffer longer than the digit's range) get no
-                # gradient; a buffer of exactly the view's extents (a reshape's) needs no test
-                outside: list[Expr] = []
-                for (p, coefficient), (_, above) in zip(order[1:], order):
-                    axis = target_axes[p]
-                    flat = Binary("add", flat, Binary("mul", Index(axis), Const(coefficient))  # type: ignore[arg-type]
-                                  if coefficient != 1 else Index(axis))  # type: ignore[arg-type]
-                    if sizes.get(axis) != above // coefficient:  # type: ignore[arg-type]
-                        outside.append(Binary("lt", Index(axis), Const(above // coefficient)))  # type: ignore[arg-type]
-                if outside or sizes.get(top) != sizes[n] // order[0][1]:  # type: ignore[arg-type]
-                    outside.append(Binary("lt", flat, Const(sizes[n])))
-                value = substitute_index(value, {n: flat})
-                for condition in outside:
-                    value = Where(condition, value, Const(0.0))
-                frame = tuple(a for a in frame if a != n)
-            else:
-                digits = {}
+        value, frame, digits = self.merged_view(load, value, frame, target_axes)
         index = list(load.index)  # the components, as the substitutions below leave them
         for pos, axis in enumerate(target_axes):
             component = index[pos]
