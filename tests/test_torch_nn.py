@@ -651,6 +651,29 @@ def test_grad_stops_at_detach(name: str, fn: Callable[..., Any], randn: Callable
     check_grad(fn, randn(16, 24), randn(24, 8))
 
 
+def test_grad_stops_at_a_no_grad_block(randn: Callable[..., torch.Tensor]) -> None:
+    """Values computed under torch.no_grad() inside the traced function pass no gradient (one
+    also used outside the block keeps its gradient there); tracing runs the function with
+    gradients on, so an outer no_grad (a first call at inference) changes nothing."""
+    def fn(x: Any, w: Any) -> Any:
+        y = x @ w
+        with torch.no_grad():
+            scale = y.abs().amax(-1, keepdim=True)
+            total = y.sum(-1, keepdim=True)
+        return (y / scale).exp() + y.sum(-1, keepdim=True) * total
+
+    x, w = randn(16, 24), randn(24, 8, scale=0.2)
+    compiled = nf.compile(fn)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x, w), fn(x, w), atol=1e-5, rtol=1e-5)
+    ours, theirs = [(x.clone().requires_grad_(), w.clone().requires_grad_()) for _ in range(2)]
+    seed = randn(16, 8)
+    (compiled(*ours) * seed).sum().backward()
+    (fn(*theirs) * seed).sum().backward()
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-4, rtol=1e-4)
+
+
 def test_grad_swiglu(randn: Callable[..., torch.Tensor]) -> None:
     v, w1, w2 = randn(16, 24), randn(24, 12), randn(24, 12)
     check_grad(lambda v, w1, w2: (F.silu(v @ w1) * (v @ w2)).sum(-1), v, w1, w2)

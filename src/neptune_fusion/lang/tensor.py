@@ -85,6 +85,16 @@ class SymTensor:
     tracer: object
     kind: str = "float"  # "float" | "int" | "bool"
 
+    def __post_init__(self) -> None:
+        # a value computed under torch.no_grad() inside a traced function passes no gradient, as in
+        # torch (`trace` runs the function with gradients on, so only its own blocks turn them off)
+        if (self.kind == "float" and getattr(self.tracer, "traces_gradients", False)
+                and not (isinstance(self.expr, Unary) and self.expr.op == "detach")):
+            import torch
+
+            if not torch.is_grad_enabled():
+                self.expr = Unary("detach", self.expr)
+
     @property
     def ndim(self) -> int:
         return len(self.dims)

@@ -16,6 +16,8 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import torch
+
 from neptune_fusion.ir.expr import (
     Cast,
     Expr,
@@ -83,7 +85,8 @@ class Tracer:
     def stage(self, dims: tuple[Dim | None, ...], body: Expr, kind: str) -> SymTensor:
         key = (body, tuple(d.var if d is not None else None for d in dims))
         if key in self.memo:  # the same value used twice is one stage
-            return self.memo[key]
+            plain = self.memo[key]
+            return SymTensor(plain.dims, plain.expr, self, plain.kind)
         real = tuple(d for d in dims if d is not None)
         if isinstance(body, Reduce):
             prefix = "dot" if isinstance(body.body, Expr) and _is_product(body.body) and body.op == "sum" else body.op
@@ -91,9 +94,11 @@ class Tracer:
             prefix = "ew"
         name = self.fresh(prefix)
         self.stages.append(Stage(name, tuple(d.var for d in real), body))
-        # the stage's buffer has its real axes only: a size-1 dim (kept by keepdims) is a broadcast
-        self.memo[key] = SymTensor(dims, _load(name, real), self, kind)
-        return self.memo[key]
+        # the stage's buffer has its real axes only: a size-1 dim (kept by keepdims) is a broadcast.
+        # The memo keeps the plain load; a use under torch.no_grad() detaches its own copy
+        with torch.enable_grad():
+            self.memo[key] = SymTensor(dims, _load(name, real), self, kind)
+        return SymTensor(dims, _load(name, real), self, kind)
 
     def materialize(self, x: SymTensor) -> SymTensor:
         """Make `x` a load of a buffer (creating an elementwise stage if it is an expression)."""
@@ -152,7 +157,13 @@ def _check_reduce_axes(stage: str, axes: tuple[str, ...], body: Expr) -> None:
 
 def trace(fn: Callable[..., Any], specs: Sequence[ArgSpec], name: str | None = None) -> Program:
     """Run `fn` on symbolic tensors described by `specs` and return the traced Program."""
+    with torch.enable_grad():  # the function's own torch.no_grad() blocks are what it detaches
+        return _traced(fn, specs, name)
+
+
+def _traced(fn: Callable[..., Any], specs: Sequence[ArgSpec], name: str | None) -> Program:
     tracer = Tracer()
+    tracer.traces_gradients = True  # type: ignore[attr-defined]
     args: list[Any] = []
     params: list[str] = []
     param_kinds: dict[str, str] = {}
