@@ -674,6 +674,20 @@ def test_grad_stops_at_a_no_grad_block(randn: Callable[..., torch.Tensor]) -> No
         torch.testing.assert_close(a.grad, b.grad, atol=1e-4, rtol=1e-4)
 
 
+def test_embedding_with_a_padding_row(randn: Callable[..., torch.Tensor], randint: Callable[..., torch.Tensor]) -> None:
+    """F.embedding gathers rows; the padding row gets no gradient (torch's padding_idx)."""
+    ids = randint(0, 12, 2, 8)
+    ids[0, :3] = 0
+
+    def embed_norm(ids: Any, table: Any, w: Any) -> Any:
+        e = F.embedding(ids, table, padding_idx=0)
+        return (e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True) + 1e-6)).type_as(e) * w
+
+    check(embed_norm, ids, randn(12, 16), randn(16))
+    check_grad(embed_norm, ids, randn(12, 16), randn(16))
+    check_grad(lambda ids, t: F.embedding(ids, t) @ t.T, ids, randn(12, 16))
+
+
 def test_grad_swiglu(randn: Callable[..., torch.Tensor]) -> None:
     v, w1, w2 = randn(16, 24), randn(24, 12), randn(24, 12)
     check_grad(lambda v, w1, w2: (F.silu(v @ w1) * (v @ w2)).sum(-1), v, w1, w2)

@@ -567,7 +567,7 @@ _HANDLERS: dict[str, Callable[..., Any]] = {
     "zeros_like": _zeros_like, "ones_like": _ones_like, "full_like": _full_like,
     "new_zeros": _new_zeros, "new_ones": _new_ones, "new_full": _new_full, "new_tensor": _new_tensor,
     # dtype and no-op views
-    "to": _to, "type": _type, "float": _cast_to(torch.float32), "half": _cast_to(torch.float16),
+    "to": _to, "type": _type, "type_as": lambda x, other: _to(x, other), "float": _cast_to(torch.float32), "half": _cast_to(torch.float16),
     "bfloat16": _cast_to(torch.bfloat16), "double": _cast_to(torch.float64), "int": _cast_to(torch.int32),
     "long": _cast_to(torch.int64), "bool": _cast_to(torch.bool), "short": _cast_to(torch.int16),
     "clone": _identity, "contiguous": _identity, "detach": _detach,

@@ -14,6 +14,8 @@ from neptune_fusion.lang.tensor import (
     constant_dim,
     einsum,
     reshape,
+    unary,
+    where,
 )
 from neptune_fusion.lang.torch_nn.common import CONTEXT, no_out, symbolic
 
@@ -211,6 +213,23 @@ def _squeeze(x: Any, dim: Any = None) -> SymTensor:
     return reshape(x, [s for a, s in enumerate(x.shape) if a not in gone])
 
 
+def _embedding(input: Any, weight: Any, padding_idx: int | None = None, max_norm: Any = None,  # noqa: A002
+               norm_type: float = 2.0, scale_grad_by_freq: bool = False, sparse: bool = False) -> SymTensor:
+    """F.embedding: the rows of `weight` the integer `input` names (a gather); the row at
+    `padding_idx` gets no gradient, as in torch."""
+    if max_norm is not None or scale_grad_by_freq or sparse:
+        raise TypeError(f"F.embedding's max_norm (renormalises the weight in place), scale_grad_by_freq and sparse "
+                        f"are not supported {CONTEXT}")
+    ids, table = symbolic(input, weight), symbolic(weight, input)
+    if ids.kind != "int":
+        raise TypeError(f"F.embedding: the indices must be an integer tensor, got a {ids.kind} one")
+    rows = table[ids]
+    if padding_idx is None:
+        return rows
+    padding = padding_idx % table.shape[0]
+    return where(binary("eq", ids, padding).unsqueeze(-1), unary("detach", rows), rows)
+
+
 def _t(x: Any) -> SymTensor:
     x = symbolic(x)
     if x.ndim > 2:
@@ -229,7 +248,7 @@ HANDLERS: dict[str, Callable[..., Any]] = {
     "cat": _cat, "concat": _cat, "concatenate": _cat, "split": _split, "chunk": _chunk, "narrow": _narrow,
     "select": _select, "unbind": _unbind, "stack": _stack, "expand": _expand, "broadcast_to": _expand,
     "expand_as": lambda x, other: _expand(x, symbolic(other, x).shape),
-    "reshape": _reshape, "view": _reshape, "flatten": _flatten, "unflatten": _unflatten, "squeeze": _squeeze,
+    "embedding": _embedding, "reshape": _reshape, "view": _reshape, "flatten": _flatten, "unflatten": _unflatten, "squeeze": _squeeze,
     "view_as": lambda x, other: _reshape(x, tuple(other.shape)),
     "reshape_as": lambda x, other: _reshape(x, tuple(other.shape)),
 }
