@@ -695,3 +695,41 @@ def test_a_loop_held_in_one_tile_reuses_its_inner_loops(randn):
     assert _whole_loop(whole) and not _whole_loop(looped)
     inner = "inner loop over 'd'"
     assert _kernels(whole)[0].source.count(inner) == 1 < _kernels(looped)[0].source.count(inner)
+
+
+def test_projections_with_long_outputs_of_their_own_run_apart(randn):
+    """`x @ wk` beside `x @ wv`, each output axis too long for a tile: one kernel would tile both
+    across the grid and compute each projection again under every tile of the other's axis; they
+    run in kernels of their own, each output correct."""
+
+    @nf.program
+    def two_projections(x, wk, wv):
+        return nf.einsum("ty,ky->tk", x, wk) * 2.0, nf.einsum("ty,vy->tv", x, wv)
+
+    args = (randn(8, 16), randn(MAX_WHOLE + 40, 16), randn(MAX_WHOLE + 8, 16))
+    program = two_projections.trace(*args)
+    assert "keep long axes other than" in why_apart(program, frozenset({"k", "v"}))
+    assert len(partition(program, frozenset({"k", "v"}))) == 2
+    _check(two_projections, args)
+
+
+def _attention_block(x, wq, wk, wv):
+    """Model code: projections split into heads by view, attention, heads merged by reshape."""
+    t, d = x.shape
+    q, k, v = ((x @ w).view(t, d // 8, 8).transpose(0, 1) for w in (wq, wk, wv))
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(0, 1).reshape(t, d)
+
+
+def test_parts_of_a_16_bit_program_multiply_in_its_dtype(randn):
+    """A program cut into kernels: the projections an earlier kernel writes for the attention
+    after it are matrix products, kept in the program's dtype (as model code's tensors are); the
+    attention's kernel reads them and multiplies in fp16, not fp32 (statistics stay fp32)."""
+    args = (randn(32, 16), *(randn(16, 16, scale=0.25) for _ in range(3)))
+    fn = _check(nf.program(_attention_block), args, torch.float16)
+    top = next(e for e in fn._cache.values() if e.groups)
+    written = {r: g.program.stage(o.stage).body.dtype for g, _ in top.groups
+               for r, o in zip(g.results, g.program.outputs) if not r.startswith("output:")}
+    assert {written[r] for r in ("dot0", "dot1", "dot2")} == {"f16"}
+    assert {dtype for r, dtype in written.items() if r.startswith(("max", "sum"))} == {"f32"}
+    records = [e.record for e in fn._cache.values() if e.record is not None]
+    assert records and {r.compute_dtype for r in records} == {"f16"}

@@ -699,6 +699,13 @@ def test_grad_layer_norm_and_rms_norm(randn: Callable[..., torch.Tensor]) -> Non
     check_grad(lambda v, g, w: F.rms_norm(v, (24,), g) @ w, v, g, w)
 
 
+def test_grad_layer_norm_linear_wider_than_a_tile(randn: Callable[..., torch.Tensor]) -> None:
+    """The backward sums the upstream gradient over the output axis (the norm's input gradient) and
+    keeps it as an axis of the weight's gradient: too wide to hold, the two run in kernels apart."""
+    v, g, b, w = randn(8, 16) + 1.0, randn(16), randn(16), randn(600, 16)
+    check_grad(lambda v, g, b, w: F.linear(F.layer_norm(v, (16,), g, b), w), v, g, b, w)
+
+
 def test_grad_linear_cross_entropy(randn: Callable[..., torch.Tensor], randint: Callable[..., torch.Tensor]) -> None:
     h, w, b = randn(16, 24), randn(10, 24, scale=0.5), randn(10)
     t = randint(0, 10, 16)

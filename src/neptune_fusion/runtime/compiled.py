@@ -36,17 +36,24 @@ from neptune_fusion.codegen.gluon_source import GLUON_LOOP_TILES, consumer_regis
 from neptune_fusion.codegen.gluon_source import ROW_BLOCK as GLUON_ROW_BLOCK
 from neptune_fusion.codegen.triton_source import generate
 from neptune_fusion.ir.errors import FusionError, UnsupportedProgramError
-from neptune_fusion.ir.expr import Reduce, free_axes, walk
+from neptune_fusion.ir.expr import Cast, Reduce, free_axes, walk
 from neptune_fusion.ir.program import FusedLoop, Program
 from neptune_fusion.lang.tensor import input_dtype_name
 from neptune_fusion.lang.trace import ProgramDef
 from neptune_fusion.runtime.blockmap import block_map, block_map_axes
 from neptune_fusion.runtime.options import Options
-from neptune_fusion.runtime.reference import axis_extents, run_reference
+from neptune_fusion.runtime.reference import axis_extents, run_reference, torch_dtype
 from neptune_fusion.runtime.state import CALL_STATE
 from neptune_fusion.schedule.auto import MAX_GRID_AXIS, Plan, choose, fit
 from neptune_fusion.schedule.library import LibraryContraction, library_contraction
-from neptune_fusion.schedule.partition import Group, length_axes, partition, split_at, split_unrelated
+from neptune_fusion.schedule.partition import (
+    Group,
+    length_axes,
+    narrow_materialised,
+    partition,
+    split_at,
+    split_to_fit,
+)
 from neptune_fusion.schedule.pipeline import SPLIT_AXIS, Step, combine_program, fuse, with_split_k
 from neptune_fusion.schedule.templates import Auto, Autotune, Flash, Schedule, SplitK
 from neptune_fusion.schedule.tiles import (
@@ -156,6 +163,7 @@ class KernelPlan:
     options: Options = Options()
     device: str = "cpu"
     whole_loop: bool = False  # the loop axis fits one loop tile: no loop, a second pass reuses its loads
+    compute_dtype: str = ""  # the dtype of the dots' operands: the program's, or that of the program it is a part of
 
     def describe(self) -> str:
         """One line per decision (what `explain` prints)."""
@@ -576,23 +584,31 @@ class Compiled:
 
     # --- compile ------------------------------------------------------------------
     def executable_for(self, program: Program, args: dict[str, Any], plan: Plan | None = None,
-                       options: Options | None = None) -> Executable:
+                       options: Options | None = None, compute_dtype: str | None = None) -> Executable:
         """Compile (or fetch from cache) the kernels for these arguments (`plan` overrides the
-        schedule; `options`, the switches, are read from the environment unless given)."""
+        schedule; `options`, the switches, are read from the environment unless given).
+        `compute_dtype` is the dtype of the dots' operands (default: the first float input's); the
+        parts of a program cut into several kernels take the whole program's, so a part that reads
+        only what an earlier part materialised in fp32 still multiplies in the program's dtype."""
         options = options or self.options or Options.from_environment()
         interpreter = options.interpreter
         device = _check_tensors(program, args, interpreter)
         program = without_detach(program)
+        main_dtype = compute_dtype or next(input_dtype_name(args[b.name].dtype) for b in program.inputs
+                                           if args[b.name].is_floating_point())
         if plan is None and isinstance(self.schedule, (Auto, Autotune)):
-            routed = library_contraction(program, axis_extents(program, args), gemm_dtype(program, args))
-            if isinstance(routed, LibraryContraction):
+            # a part of a program multiplies in the whole program's dtype (what its operand kernels
+            # write, and what its direct operands must be), whatever it reads materialised in fp32
+            dtype = main_dtype if compute_dtype is not None else gemm_dtype(program, args)
+            routed = library_contraction(program, axis_extents(program, args), dtype)
+            if isinstance(routed, LibraryContraction) and all(
+                    op.input is None or input_dtype_name(args[op.input].dtype) == dtype for op in routed.operands):
                 return self._library(program, routed, args, options)
         groups = _partition_cached(program, long_axes(program, args), narrow_inputs(program, args))
         if len(groups) > 1:
-            return self._grouped(program, groups, args, device, options)
+            return self._grouped(program, groups, args, device, options, main_dtype)
         program = groups[0].program  # as rewritten before partitioning (transform/distribute.py)
         dtypes = {b.name: input_dtype_name(args[b.name].dtype) for b in program.inputs}
-        main_dtype = next(dtypes[b.name] for b in program.inputs if args[b.name].is_floating_point())
         try:
             fused = _fuse_cached(program, 1)[-1].program
         except FusionError as exc:
@@ -603,7 +619,7 @@ class Compiled:
                 raise
             why = (f"{exc.stage!r} could not join the fused loop of the reductions it reads ({exc}); it runs in a "
                    "later kernel that reads them finished")
-            return self._grouped(program, apart, args, device, options, why)
+            return self._grouped(program, apart, args, device, options, main_dtype, why)
         fused, layout = _choose_layout(fused, axis_extents(fused, args))
         roles = _roles_of(fused)
         sizes = axis_extents(fused, args)
@@ -624,7 +640,10 @@ class Compiled:
             plan = plan_for(1)
             # the tiles of grid-tiled axes are programs too: split-K only where all of them leave the
             # machine idle
-            tiles = grid_tiles(choose_tiling(fused, full_sizes, plan.block_row, plan.block_col), full_sizes)
+            try:
+                tiles = grid_tiles(choose_tiling(fused, full_sizes, plan.block_row, plan.block_col), full_sizes)
+            except UnsupportedProgramError as exc:
+                return self._apart_to_fit(program, exc, args, device, options, main_dtype)
             if tiles > 1:
                 plan = plan_for(tiles)
         # a loop no longer than one tile, with a second pass over its axis, is computed without a
@@ -651,11 +670,7 @@ class Compiled:
         try:
             check_fits(tiling, fused, plan.block_row, plan.num_warps)
         except UnsupportedProgramError as exc:
-            apart = split_unrelated(program)
-            if apart is None:
-                raise
-            return self._grouped(program, apart, args, device, options,
-                                 f"one kernel's tile does not fit ({exc}); reductions that share no axes run apart")
+            return self._apart_to_fit(program, exc, args, device, options, main_dtype)
         tma = all_tma - descriptor_hazards(fused)  # Gluon's kernels order their own copies
         if use_block_map or (plan.splits > 1 and not tiling.loops):
             # tiles at run-time coordinates (from the block map) and split-K's memory-bound single
@@ -681,7 +696,7 @@ class Compiled:
             options.grid_group)
         record = KernelPlan(plan, tiling, tuple(sorted(dtypes.items())), tuple(sorted(full_sizes.items())), layout,
                             tma, positive, combine_rows, prefetch_index, grid_group, dependent_launch,
-                            options, str(device), whole_loop)
+                            options, str(device), whole_loop, main_dtype)
         key = (program.fingerprint(), record)
         if key in self._cache:
             return self._cache[key]
@@ -723,7 +738,7 @@ class Compiled:
                                interpreter=interpreter, block_mapped=use_block_map,
                                streams=roles.streams, rereads=roles.rereads, k_loop=roles.k_loop,
                                inner_loop_length=inner_loop_length)
-                exe = self.executable_for(program, args, flash, options)
+                exe = self.executable_for(program, args, flash, options, main_dtype)
                 self._cache[key] = exe
                 return exe
             cfused = combine_steps[-1].program
@@ -776,7 +791,7 @@ class Compiled:
                 # a consumer's work tiles shrink with the loop tile while its carried state does not:
                 # the warp-specialised kernel at half the width before Triton's at any (Triton holds
                 # the same tiles in one 8-warp program and must narrow further)
-                exe = self.executable_for(program, args, replace(plan, block_col=narrower), options)
+                exe = self.executable_for(program, args, replace(plan, block_col=narrower), options, main_dtype)
                 self._cache[key] = exe
                 return exe
         backend, why = _backend_for(reason, options)
@@ -795,7 +810,7 @@ class Compiled:
                                                                  p.num_warps))
                 fitted = fit(plan, usage, *_device_limits(device), narrow_first=narrow_loops_first(tile))
                 if fitted != plan:
-                    exe = self.executable_for(program, args, fitted, options)
+                    exe = self.executable_for(program, args, fitted, options, main_dtype)
                     self._cache[key] = exe
                     return exe
             tile.notes.append(f"backend: {why}")
@@ -806,20 +821,36 @@ class Compiled:
         self._cache[key] = exe
         return exe
 
+    def _apart_to_fit(self, program: Program, error: UnsupportedProgramError, args: dict[str, Any],
+                      device: torch.device, options: Options, compute_dtype: str) -> Executable:
+        """The program in several kernels where one kernel's tile cannot be planned (`error`), or
+        `error` raised where no split applies (schedule/partition.py `split_to_fit`)."""
+        found = split_to_fit(program, long_axes(program, args))
+        if found is None:
+            raise error
+        groups, why = found
+        return self._grouped(program, groups, args, device, options, compute_dtype,
+                             f"one kernel's tile does not fit ({error}); {why}")
+
     def _grouped(self, program: Program, groups: list[Group], args: dict[str, Any],
-                 device: torch.device, options: Options, why: str | None = None) -> Executable:
+                 device: torch.device, options: Options, compute_dtype: str, why: str | None = None) -> Executable:
         """One executable per group (schedule/partition.py), each compiled for example arguments:
         the call's own, and for the reductions one group writes for the next, contiguous fp32
-        tensors of their shapes (what the launcher allocates for them)."""
-        key = ("groups", program.fingerprint(), tuple((n, _arg_key(v)) for n, v in sorted(args.items())))
+        tensors of their shapes (what the launcher allocates for them); every group multiplies in
+        the whole program's `compute_dtype`."""
+        key = ("groups", program.fingerprint(), compute_dtype,
+               tuple((n, _arg_key(v)) for n, v in sorted(args.items())))
         if key in self._cache:
             return self._cache[key]
+        if compute_dtype in ("f16", "bf16"):
+            groups = narrow_materialised(groups, compute_dtype)
         sizes = axis_extents(program, args)
         env = {**args, **lengths_of(program, length_params_of(program, [g.program for g in groups]), args)}
         parts: list[tuple[Group, Executable]] = []
         steps: list[Step] = []
         for k, group in enumerate(groups):
-            exe = self.executable_for(group.program, {n: env[n] for n in arg_names(group.program)}, options=options)
+            exe = self.executable_for(group.program, {n: env[n] for n in arg_names(group.program)}, options=options,
+                                      compute_dtype=compute_dtype)
             parts.append((group, exe))
             steps += [Step(f"kernel {k + 1} of {len(groups)}: {s.name}", s.program) for s in exe.steps]
             env.update(_materialised(program, group, sizes, device))
@@ -1140,13 +1171,13 @@ def gemm_dtype(program: Program, args: dict[str, Any]) -> str:
 
 
 def _materialised(program: Program, group: Group, sizes: dict[str, int], device: torch.device) -> dict[str, torch.Tensor]:
-    """Tensors of the shapes and dtype (fp32, contiguous) of the reductions `group` writes for the
-    groups after it: example arguments for compiling those."""
+    """Tensors of the shapes and dtype (fp32 unless narrowed, contiguous) of the reductions `group`
+    writes for the groups after it: example arguments for compiling those."""
     # the group's own stage gives the axes: a group may be a rewritten part of `program`
     # (transform/distribute.py adds basis sums), so not every result is one of its stages
-    outputs = group.program.outputs
-    return {r: torch.empty([sizes[a] for a in group.program.stage(outputs[j].stage).axes], dtype=torch.float32,
-                           device=device)
+    stages = [group.program.stage(o.stage) for o in group.program.outputs]
+    return {r: torch.empty([sizes[a] for a in stages[j].axes], device=device,
+                           dtype=torch_dtype(stages[j].body.dtype) if isinstance(stages[j].body, Cast) else torch.float32)
             for j, r in enumerate(group.results) if not r.startswith("output:")}
 
 

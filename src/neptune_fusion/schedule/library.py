@@ -32,7 +32,7 @@ import math
 import string
 from dataclasses import dataclass
 
-from neptune_fusion.ir.expr import Binary, Const, Expr, Index, Load, Reduce, free_axes
+from neptune_fusion.ir.expr import Binary, Cast, Const, Expr, Index, Load, Reduce, free_axes
 from neptune_fusion.ir.program import InputBuffer, OutputSpec, Program, Stage
 from neptune_fusion.schedule.partition import length_axes, needed_stages, subprogram
 
@@ -94,6 +94,12 @@ def library_contraction(program: Program, sizes: dict[str, int], dtype: str) -> 
     out = program.outputs[0]
     stage = program.stage(out.stage)
     body = stage.body
+    if isinstance(body, Cast) and body.dtype == dtype and isinstance(body.x, Load) \
+            and body.x.index == tuple(Index(a) for a in stage.axes) \
+            and any(st.name == body.x.buffer and st.axes == stage.axes for st in program.stages):
+        # a reduction written in the inputs' dtype for a later kernel: what the library returns
+        stage = program.stage(body.x.buffer)
+        body = stage.body
     if not (isinstance(body, Reduce) and body.op == "sum"):
         return Declined(f"its output {stage.name!r} is not a sum reduction")
     if tuple(out.dims) != stage.axes:
@@ -123,7 +129,8 @@ def library_contraction(program: Program, sizes: dict[str, int], dtype: str) -> 
             continue
         axes = _side_axes(sides[j], body.axis, stage.axes)
         name = f"{stage.name}_operand{j}"
-        expr = _product(sides[j], scale if j == home else 1.0)
+        # written in the GEMM's dtype whatever else the writer reads (an fp32 statistic)
+        expr = Cast(_product(sides[j], scale if j == home else 1.0), dtype)
         stages = needed_stages([st for st in program.stages if st.name != stage.name] + [Stage(name, axes, expr)],
                                {name})
         writer = subprogram(program, f"{program.name}_operand{j}", stages, [OutputSpec(name, axes)], [])

@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from neptune_fusion.analysis.chains import chain_axis, transitive_reads
-from neptune_fusion.ir.expr import Cast, Index, Load, Param, Reduce, Size, transform_bottom_up, walk
+from neptune_fusion.ir.expr import Binary, Cast, Index, Load, Param, Reduce, Size, free_axes, transform_bottom_up, walk
 from neptune_fusion.ir.program import InputBuffer, OutputSpec, Program, Stage
 from neptune_fusion.transform.distribute import distribute_constant_terms
 
@@ -101,6 +101,31 @@ def _recomputed_per_tile(program: Program, long_axes: frozenset[str]) -> tuple[s
     return late, why
 
 
+def _tiled_apart(program: Program, long_axes: frozenset[str]) -> tuple[set[str], str] | None:
+    """(stages for a later group, why) where reductions of the main chain keep different axes too
+    long for a tile (`x @ wk` beside `x @ wv`): the grid would tile both, and each of its programs
+    would compute each reduction again under every tile of the other's axis. The first reduction
+    stays; those whose long axes are not nested with its own, and their readers, follow."""
+    axis = chain_axis(program)
+    if not long_axes or axis is None or program.loop_axis is not None:
+        return None
+    reductions = _reductions(program)
+    reduced = {st.reduce_axis for st in reductions}
+    chain = [st for st in reductions if st.reduce_axis == axis]
+    tiled = {st.name: {a for a in st.axes if a in long_axes and a not in reduced} for st in chain}
+    readers = {st.name: transitive_reads(program, st.name) for st in program.stages if isinstance(st, Stage)}
+    head = chain[0].name if chain else ""
+    apart = {st.name for st in chain[1:]
+             if not (tiled[st.name] <= tiled[head] or tiled[head] <= tiled[st.name])
+             and head not in readers[st.name] and st.name not in readers[head]}
+    if not apart:
+        return None
+    late = {n for n, reads in readers.items() if n in apart or reads & apart}
+    return late, (f"the reduction(s) {sorted(apart)} keep long axes other than {head!r}'s "
+                  f"({sorted(set().union(*(tiled[n] for n in apart)))} against {sorted(tiled[head])}): in one kernel "
+                  "each would be computed again under every grid tile of the other's")
+
+
 def _wide_outputs(program: Program) -> tuple[set[str], str] | None:
     """(outputs for a later group, why) where an output has more than one axis beyond the axes of
     the main chain's reductions (`x.sum() * y`): the fused loop's kernel writes at most one such
@@ -145,7 +170,7 @@ def partition(program: Program, long_axes: frozenset[str] = frozenset(),
     (transform/distribute.py) before the program is cut."""
     program = distribute_constant_terms(program, narrow)
     found = (_shifted_reads(program) or _apart(program) or _recomputed_per_tile(program, long_axes)
-             or _wide_outputs(program))
+             or _tiled_apart(program, long_axes) or _wide_outputs(program))
     if found is None:
         return [Group(program, tuple(f"output:{j}" for j in range(len(program.outputs))))]
     late, _ = found
@@ -223,12 +248,73 @@ def split_unrelated(program: Program) -> list[Group] | None:
     return [first, second]
 
 
+def split_conflicting(program: Program, axis: str) -> list[Group] | None:
+    """Two groups where `axis` is summed over by some reductions and is an output axis of others
+    that neither read (a weight's gradient `sum_a g[a, z] * h[a, y]` beside a norm's backward
+    `sum_z g[a, z] * w[z, y]`): one kernel would have to hold the axis whole. The reductions that
+    keep it as an output axis, and every stage that reads them, follow in a later kernel; where
+    they read the summing ones instead, those go later. None where the two sides read each other,
+    no reduction would stay in the first kernel, or the later kernel would read a reduction the
+    first one materialises (linear cross-entropy's logits: its backward is chunked instead,
+    schedule/materialise.py).
+
+    Example:
+        >>> import torch, neptune_fusion as nf
+        >>> @nf.program
+        ... def both_ways(g, w, h):
+        ...     return nf.einsum("az,zy->ay", g, w).sum(axis=0), nf.einsum("az,ay->zy", g, h)
+        >>> first, second = split_conflicting(both_ways.trace(*(torch.randn(4, 4) for _ in range(3))), "z")
+        >>> [len(o.dims) for o in first.program.outputs], [len(o.dims) for o in second.program.outputs]
+        ([1], [2])
+    """
+    stages = {st.name: st for st in program.stages if isinstance(st, Stage)}
+    reads = {n: transitive_reads(program, n) for n in stages}
+    summing = {n for n, st in stages.items()
+               if any(isinstance(node, Reduce) and node.axis == axis for node in walk(st.body))}
+    keeping = {n for n, st in stages.items() if axis in st.axes and st.reduce_op is not None} - summing
+    if not summing or not keeping:
+        return None
+    for late_seeds, early in ((keeping, summing), (summing, keeping)):
+        late = {n for n in stages if n in late_seeds or reads[n] & late_seeds}
+        if late & early or not any(stages[n].reduce_op is not None for n in stages if n not in late):
+            continue
+        first, second = _split(program, late)
+        if first.program.stages and second.program.stages and all(r.startswith("output:") for r in first.results):
+            return [first, second]
+    return None
+
+
+def split_to_fit(program: Program, long_axes: frozenset[str]) -> tuple[list[Group], str] | None:
+    """Groups for a program whose one kernel's tile cannot be planned, and why they run apart:
+    reductions that share no axes (`split_unrelated`), else an axis too long to hold (`long_axes`)
+    summed by some reductions and kept by others (`split_conflicting`). None where neither applies.
+
+    Example:
+        >>> import torch, neptune_fusion as nf
+        >>> @nf.program
+        ... def two_projections(x, a, b):
+        ...     return x @ a, x @ b
+        >>> groups, why = split_to_fit(two_projections.trace(*(torch.randn(4, 4) for _ in range(3))), frozenset())
+        >>> len(groups), why
+        (2, 'reductions that share no axes run apart')
+    """
+    apart = split_unrelated(program)
+    if apart is not None:
+        return apart, "reductions that share no axes run apart"
+    axes = dict.fromkeys(a for st in program.stages if isinstance(st, Stage) for a in st.axes if a in long_axes)
+    for axis in axes:
+        apart = split_conflicting(program, axis)
+        if apart is not None:
+            return apart, f"the reductions summing over axis {axis!r} and those keeping it run apart"
+    return None
+
+
 def why_apart(program: Program, long_axes: frozenset[str] = frozenset(),
               narrow: frozenset[str] = frozenset()) -> str | None:
     """Why `program` needs more than one kernel (None when it does not)."""
     program = distribute_constant_terms(program, narrow)
     found = (_shifted_reads(program) or _apart(program) or _recomputed_per_tile(program, long_axes)
-             or _wide_outputs(program))
+             or _tiled_apart(program, long_axes) or _wide_outputs(program))
     return None if found is None else found[1]
 
 
@@ -270,6 +356,111 @@ def _split(program: Program, late: set[str]) -> tuple[Group, Group]:
     second = subprogram(program, f"{program.name}_part2", second_stages, [o for _, o in late_out], mat_inputs)
     return (Group(first, tuple(f"output:{j}" for j, _ in early_out) + tuple(boundary)),
             Group(second, tuple(f"output:{j}" for j, _ in late_out)))
+
+
+def read_only_as_contraction_factor(program: Program, buffer: str) -> bool:
+    """Whether `program` reads `buffer` only as a factor of products summed over an axis the read
+    varies along (a contraction's operand, which the kernel multiplies in the dots' dtype), read
+    directly or through element-wise stages that only re-index it (views), and at least once.
+
+    Example:
+        >>> import torch, neptune_fusion as nf
+        >>> @nf.program
+        ... def project_then_scale(h, w, c):
+        ...     return (h @ w) * c
+        >>> program = project_then_scale.trace(*(torch.randn(4, 4) for _ in range(3)))
+        >>> read_only_as_contraction_factor(program, "w"), read_only_as_contraction_factor(program, "c")
+        (True, False)
+    """
+    stages = [st for st in program.stages if isinstance(st, Stage)]
+    aliases = {buffer}
+    for st in stages:  # in program order: a view of a view follows the one it reads
+        if st.reduce_op is None and isinstance(st.body, Load) and st.body.buffer in aliases:
+            aliases.add(st.name)
+    if any(o.stage in aliases for o in program.outputs):
+        return False
+    found = False
+
+    def factor_reads(expr: Any, summed: str | None) -> bool:
+        nonlocal found
+        if isinstance(expr, Load) and expr.buffer in aliases:
+            found = True
+            return summed is not None and summed in free_axes(expr)
+        if isinstance(expr, Binary) and expr.op == "mul":
+            return factor_reads(expr.a, summed) and factor_reads(expr.b, summed)
+        if isinstance(expr, Reduce):
+            return factor_reads(expr.body, expr.axis if expr.op == "sum" else None)
+        return all(factor_reads(child, None) for child in expr.children())
+
+    return all(factor_reads(st.body, None) for st in stages if st.name not in aliases) and found
+
+
+def is_product_of_operands(program: Program, name: str) -> bool:
+    """Whether stage `name` is a matrix product: a sum over k of loaded factors, two of which each
+    keep an axis of the result the other lacks (`x @ w`, not `(x * x).sum(-1)` nor `x @ v`).
+
+    Example:
+        >>> import torch, neptune_fusion as nf
+        >>> @nf.program
+        ... def both(x, w):
+        ...     return x @ w, (x * x).sum(axis=-1)
+        >>> program = both.trace(torch.randn(4, 4), torch.randn(4, 4))
+        >>> is_product_of_operands(program, "dot0"), is_product_of_operands(program, "sum0")
+        (True, False)
+    """
+    body = program.stage(name).body
+    if not (isinstance(body, Reduce) and body.op == "sum"):
+        return False
+    factors, todo = [], [body.body]
+    while todo:
+        expr = todo.pop()
+        if isinstance(expr, Binary) and expr.op == "mul":
+            todo += [expr.a, expr.b]
+        elif isinstance(expr, Load):
+            factors.append(free_axes(expr))
+        elif expr.children() or isinstance(expr, (Index, Param, Size)):
+            return False  # a computed factor (exp(s - m) of attention's weights): not a plain product
+    kept = set(program.stage(name).axes)
+    return any((a - b) & kept and (b - a) & kept for a in factors for b in factors)
+
+
+def narrow_materialised(groups: list[Group], dtype: str) -> list[Group]:
+    """`groups` with each reduction one group writes for later ones in `dtype` (a 16-bit float),
+    not fp32, where every later group reads it only as a contraction's factor (those multiply
+    their operands in `dtype` anyway: the result is the same, the traffic half), or where it is a
+    matrix product (`is_product_of_operands`), which model code's own tensors hold in their dtype
+    (a projection written for the attention or the activation after it); normalisers, statistics
+    and partial sums stay fp32.
+
+    Example:
+        >>> import torch, neptune_fusion as nf
+        >>> @nf.program
+        ... def two_projections(x, a, b):
+        ...     return (x @ a) @ b
+        >>> program = two_projections.trace(*(torch.randn(4, 4) for _ in range(3)))
+        >>> first, second = split_at(program, "dot1")
+        >>> narrowed = narrow_materialised([first, second], "f16")
+        >>> narrowed[0].program.stage("__mat_dot0").body.dtype
+        'f16'
+    """
+    out: list[Group] = []
+    for k, group in enumerate(groups):
+        narrowed = set()
+        for j, result in enumerate(group.results):
+            readers = [g.program for g in groups[k + 1:] if any(b.name == result for b in g.program.inputs)]
+            stage = group.program.stage(group.program.outputs[j].stage)
+            if (not result.startswith("output:") and readers and isinstance(stage.body, Cast)
+                    and ((result in {st.name for st in group.program.stages}
+                          and is_product_of_operands(group.program, result))
+                         or all(read_only_as_contraction_factor(p, result) for p in readers))):
+                narrowed.add(stage.name)
+        program = group.program
+        if narrowed:
+            program = replace(program, stages=tuple(
+                replace(st, body=replace(st.body, dtype=dtype)) if st.name in narrowed else st
+                for st in program.stages))
+        out.append(Group(program, group.results))
+    return out
 
 
 def needed_stages(stages: list[Stage], roots: set[str]) -> list[Stage]:
