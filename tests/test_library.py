@@ -106,7 +106,8 @@ def test_two_inputs_as_they_stand_need_no_kernel(randn):
                          ids=["rmsnorm", "layernorm", "weighted", "batched"])
 def test_the_operand_programs_and_einsum_compute_the_program(prog, randn):
     """Program -> plan, checked by running each operand program through the reference executor
-    and contracting the results: equal to the whole program's reference, in fp32."""
+    and contracting the results: equal to the whole program's reference (the written operands
+    are rounded to the GEMM's dtype, as the kernels writing them store them)."""
     shapes = {rmsnorm_matmul: [(8, 40), (40, 24)], layernorm_matmul: [(8, 40), (40, 24)],
               weighted_rmsnorm_matmul: [(8, 40), (40,), (40, 24)], batched_norm_matmul: [(2, 8, 40), (2, 40, 24)]}
     args = tuple(randn(*s) for s in shapes[prog])
@@ -117,8 +118,10 @@ def test_the_operand_programs_and_einsum_compute_the_program(prog, randn):
     operands = [named[op.input] if op.input is not None else
                 nf.run_reference(op.program, {b.name: named[b.name] for b in op.program.inputs})
                 for op in plan.operands]
-    torch.testing.assert_close(torch.einsum(plan.spec, *operands), nf.run_reference(traced, named),
-                               rtol=1e-5, atol=1e-5)
+    written = [spec.program for spec in plan.operands if spec.program is not None]
+    assert written and all(p.stage(p.outputs[0].stage).body.dtype == "f16" for p in written)
+    torch.testing.assert_close(torch.einsum(plan.spec, *(op.float() for op in operands)),
+                               nf.run_reference(traced, named), rtol=1e-2, atol=1e-2)
 
 
 def test_what_is_not_a_contraction_of_two_sides_is_declined(randn):
