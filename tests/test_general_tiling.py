@@ -733,3 +733,29 @@ def test_parts_of_a_16_bit_program_multiply_in_its_dtype(randn):
     assert {dtype for r, dtype in written.items() if r.startswith(("max", "sum"))} == {"f32"}
     records = [e.record for e in fn._cache.values() if e.record is not None]
     assert records and {r.compute_dtype for r in records} == {"f16"}
+
+
+def test_a_part_that_writes_for_later_kernels_keeps_that_value_in_fp32(randn):
+    """A kernel of a backward writes `__mat_dot0` (fp32) for the kernels after it; cut again, its
+    first part materialises `dot0` for its second under a name of its own, and only that copy may
+    be narrowed: the value returned to the later kernels stays the fp32 they were compiled for."""
+    from dataclasses import replace
+
+    from neptune_fusion.ir.expr import Cast, Index, Load
+    from neptune_fusion.ir.program import OutputSpec, Stage
+    from neptune_fusion.schedule.partition import _split, narrow_materialised
+
+    @nf.program
+    def project_twice(x, w, v):
+        return (x @ w) @ v
+
+    program = project_twice.trace(randn(8, 8), randn(8, 8), randn(8, 8))
+    dims = program.stage("dot0").axes
+    kept = Stage("__mat_dot0", dims, Cast(Load("dot0", tuple(Index(a) for a in dims)), "f32"))
+    program = replace(program, stages=(*program.stages, kept), outputs=(*program.outputs, OutputSpec(kept.name, dims)))
+    first, second = _split(program, {"dot1"})
+    names = [st.name for st in first.program.stages]
+    assert len(names) == len(set(names)) and "__mat_dot0_1" in names
+    narrowed = narrow_materialised([first, second], "f16")[0].program
+    assert narrowed.stage("__mat_dot0").body.dtype == "f32"
+    assert narrowed.stage("__mat_dot0_1").body.dtype == "f16"

@@ -311,6 +311,9 @@ class Kernels:
             for name, value in zip(group.results, result if isinstance(result, tuple) else (result,)):
                 if name.startswith("output:"):
                     outs[int(name.split(":")[1])] = value
+                elif value.dtype != torch.float32:  # the later kernels were compiled for fp32 (`prepare`)
+                    raise RuntimeError(f"internal error: the backward's kernel {group.program.name} wrote {name!r} "
+                                       f"as {value.dtype}, not float32; please report it")
                 else:
                     pool[name] = value
         return tuple(outs)  # type: ignore[arg-type]

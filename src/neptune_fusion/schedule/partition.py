@@ -325,6 +325,16 @@ def _resolve(result: str, part: Group) -> str:
     return result
 
 
+def _fresh(name: str, taken: set[str]) -> str:
+    """`name`, or `name_k` with the first k that no stage in `taken` has (added to `taken`)."""
+    k, fresh = 0, name
+    while fresh in taken:
+        k += 1
+        fresh = f"{name}_{k}"
+    taken.add(fresh)
+    return fresh
+
+
 def _split(program: Program, late: set[str]) -> tuple[Group, Group]:
     """(the stages outside `late`, the stages in `late` with the elementwise stages they need)."""
     stages = {st.name: st for st in program.stages if isinstance(st, Stage)}
@@ -345,7 +355,8 @@ def _split(program: Program, late: set[str]) -> tuple[Group, Group]:
     outputs = list(enumerate(program.outputs))
     early_out = [(j, o) for j, o in outputs if o.stage not in late]
     late_out = [(j, o) for j, o in outputs if o.stage in late]
-    mats = [Stage(f"{MATERIALISED_PREFIX}{n}", stages[n].axes,
+    taken = set(stages)  # a part of a part may already write `__mat_n` for the groups after its whole
+    mats = [Stage(_fresh(f"{MATERIALISED_PREFIX}{n}", taken), stages[n].axes,
                   Cast(Load(n, tuple(Index(a) for a in stages[n].axes)), "f32")) for n in boundary]
     first_outputs = [o for _, o in early_out] + [OutputSpec(m.name, m.axes) for m in mats]
     first_stages = needed_stages([st for st in program.stages if isinstance(st, Stage) and st.name not in late] + mats,
@@ -446,10 +457,13 @@ def narrow_materialised(groups: list[Group], dtype: str) -> list[Group]:
     out: list[Group] = []
     for k, group in enumerate(groups):
         narrowed = set()
+        # what the group returns to its caller keeps the dtype the caller compiled for
+        returned = {group.program.outputs[j].stage for j, r in enumerate(group.results) if r.startswith("output:")}
         for j, result in enumerate(group.results):
             readers = [g.program for g in groups[k + 1:] if any(b.name == result for b in g.program.inputs)]
             stage = group.program.stage(group.program.outputs[j].stage)
             if (not result.startswith("output:") and readers and isinstance(stage.body, Cast)
+                    and stage.name not in returned
                     and ((result in {st.name for st in group.program.stages}
                           and is_product_of_operands(group.program, result))
                          or all(read_only_as_contraction_factor(p, result) for p in readers))):
