@@ -437,7 +437,8 @@ def _combine_tiles(plan: Plan, rows: int, full_sizes: dict[str, int]) -> tuple[i
     The combine is elementwise math over a few partial states per row (no dot), bound by the
     latency of its loads: a tile holding every split at once needs one round trip, and more,
     smaller row blocks give more programs. Its 3-D (row, split, feature) tile must still fit in
-    registers.
+    registers; `full_sizes` are the partial states' feature axes (axes a second pass walks in
+    tiles of its own, or an inner loop, are not held, and a dot there needs 16 rows or more).
 
     Example:
         >>> _combine_tiles(Plan(16, 64, 4, 2, 64), 8, {"e": 128})
@@ -744,7 +745,10 @@ class Compiled:
             cfused = combine_steps[-1].program
             cdtypes = {b.name: ("f32" if b.name.startswith("part_") else dtypes[b.name]) for b in cprog.inputs}
             cfull = {a: full_sizes[a] for a in assign_roles(cfused).full}
-            block_rows, block_split, cstages = _combine_tiles(plan, combine_rows, cfull)
+            # the combine's tile holds the axes of the partial states; others its second pass walks
+            states = {a for b in cprog.inputs if b.name.startswith("part_") for a in b.dims}
+            block_rows, block_split, cstages = _combine_tiles(plan, combine_rows,
+                                                              {a: n for a, n in cfull.items() if a in states})
             cconfig = LoweringConfig(cdtypes, cfull, block_rows, block_split, plan.num_warps, cstages, 1, "f32",
                                      block_epilogue=32 if interpreter else 128)
             ctile = lower(cfused, cconfig, f"{name}_combine")
