@@ -83,10 +83,13 @@ if not on_gpu:  # in the interpreter: small shapes, fp32
             err = ((a.grad - b.grad).abs().max() / b.grad.abs().max()).item()
             print(f"{name}: gradient of argument {k}: max error relative to the largest value {err:.1e}")
             assert err < 1e-4, (name, k, err)
-else:  # on the GPU: time against the same code run by torch (eager)
+else:  # on the GPU: time against the same code run by torch, eager and torch.compile'd
     from triton.testing import do_bench
 
+    def report(what: str, ms: list[float]) -> None:
+        print(f"{what}: {ms[0] * 1e3:.0f} us, torch eager {ms[1] * 1e3:.0f} us ({ms[1] / ms[0]:.2f}x), "
+              f"torch.compile {ms[2] * 1e3:.0f} us ({ms[2] / ms[0]:.2f}x)")
+
     for name, fn, args in cases:
-        compiled = nf.compile(fn)
-        ours_ms, torch_ms = do_bench(lambda: compiled(*args)), do_bench(lambda: fn(*args))  # noqa: B023
-        print(f"{name}: {ours_ms * 1e3:.0f} us, torch eager {torch_ms * 1e3:.0f} us ({torch_ms / ours_ms:.2f}x)")
+        ours, inductor = nf.compile(fn), torch.compile(fn)
+        report(name, [do_bench(lambda f=f: f(*args)) for f in (ours, fn, inductor)])  # noqa: B023
