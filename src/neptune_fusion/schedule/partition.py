@@ -71,18 +71,26 @@ def _apart(program: Program) -> tuple[set[str], str] | None:
     return late, why
 
 
+def _main_chain(program: Program, long_axes: frozenset[str]) -> tuple[str, list[Stage], set[str]] | None:
+    """(the main chain's axis, its reductions, every reduced axis) where some axis is too long for
+    a tile and no transform chose the program's loop; None otherwise."""
+    axis = chain_axis(program)
+    if not long_axes or axis is None or program.loop_axis is not None:
+        return None
+    reductions = _reductions(program)
+    return axis, [st for st in reductions if st.reduce_axis == axis], {st.reduce_axis for st in reductions}
+
+
 def _recomputed_per_tile(program: Program, long_axes: frozenset[str]) -> tuple[set[str], str] | None:
     """(stages for a later group, why) where a reduction of the main chain lacks an axis that
     another of its reductions has and that is too long for a tile (`long_axes`, not reduced
     anywhere): that axis is tiled across the grid (schedule/tiles.py), and every one of its tiles
     would compute the reduction again (a norm's statistics under each tile of a matmul's output).
     An earlier kernel computes it once; the reductions reading it follow in a later one."""
-    axis = chain_axis(program)
-    if not long_axes or axis is None or program.loop_axis is not None:
+    found = _main_chain(program, long_axes)
+    if found is None:
         return None
-    reductions = _reductions(program)
-    reduced = {st.reduce_axis for st in reductions}
-    chain = [st for st in reductions if st.reduce_axis == axis]
+    axis, chain, reduced = found
     tiled = {a for st in chain for a in st.axes if a in long_axes and a not in reduced}
     seeds = {st.name for st in chain if tiled - set(st.axes)}
     readers = {st.name: transitive_reads(program, st.name) for st in program.stages if isinstance(st, Stage)}
@@ -106,12 +114,10 @@ def _tiled_apart(program: Program, long_axes: frozenset[str]) -> tuple[set[str],
     long for a tile (`x @ wk` beside `x @ wv`): the grid would tile both, and each of its programs
     would compute each reduction again under every tile of the other's axis. The first reduction
     stays; those whose long axes are not nested with its own, and their readers, follow."""
-    axis = chain_axis(program)
-    if not long_axes or axis is None or program.loop_axis is not None:
+    found = _main_chain(program, long_axes)
+    if found is None:
         return None
-    reductions = _reductions(program)
-    reduced = {st.reduce_axis for st in reductions}
-    chain = [st for st in reductions if st.reduce_axis == axis]
+    _, chain, reduced = found
     tiled = {st.name: {a for a in st.axes if a in long_axes and a not in reduced} for st in chain}
     readers = {st.name: transitive_reads(program, st.name) for st in program.stages if isinstance(st, Stage)}
     head = chain[0].name if chain else ""
