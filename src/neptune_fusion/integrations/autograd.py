@@ -311,9 +311,11 @@ class Kernels:
             for name, value in zip(group.results, result if isinstance(result, tuple) else (result,)):
                 if name.startswith("output:"):
                     outs[int(name.split(":")[1])] = value
-                elif value.dtype != torch.float32:  # the later kernels were compiled for fp32 (`prepare`)
+                elif value.dtype != torch.float32 or not value.is_contiguous():
+                    # the later kernels were compiled for contiguous fp32 (`prepare`): their strides are fixed
                     raise RuntimeError(f"internal error: the backward's kernel {group.program.name} wrote {name!r} "
-                                       f"as {value.dtype}, not float32; please report it")
+                                       f"as {value.dtype} with strides {value.stride()}, not contiguous float32; "
+                                       "please report it")
                 else:
                     pool[name] = value
         return tuple(outs)  # type: ignore[arg-type]
