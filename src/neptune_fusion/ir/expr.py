@@ -261,6 +261,23 @@ def loads_of(expr: Expr) -> set[str]:
     return {n.buffer for n in walk(expr) if isinstance(n, Load)}
 
 
+def product_factors(expr: Expr) -> tuple[list[Expr], float]:
+    """The factors of a product, its numeric constants folded into one scale.
+
+    Example:
+        >>> factors, scale = product_factors(Load("x", (Index("i"),)) * 2.0 * Load("w", (Index("i"),)))
+        >>> [f.buffer for f in factors], scale
+        (['x', 'w'], 2.0)
+    """
+    if isinstance(expr, Binary) and expr.op == "mul":
+        a, sa = product_factors(expr.a)
+        b, sb = product_factors(expr.b)
+        return a + b, sa * sb
+    if isinstance(expr, Const) and isinstance(expr.value, (int, float)) and not isinstance(expr.value, bool):
+        return [], float(expr.value)
+    return [expr], 1.0
+
+
 def free_axes(expr: Expr) -> set[str]:
     """Index variables `expr` depends on, not counting those bound by a nested Reduce."""
     if isinstance(expr, Index):

@@ -32,7 +32,7 @@ import math
 import string
 from dataclasses import dataclass
 
-from neptune_fusion.ir.expr import Binary, Cast, Const, Expr, Index, Load, Reduce, free_axes
+from neptune_fusion.ir.expr import Binary, Cast, Const, Expr, Index, Load, Reduce, free_axes, product_factors
 from neptune_fusion.ir.program import InputBuffer, OutputSpec, Program, Stage
 from neptune_fusion.schedule.partition import length_axes, needed_stages, subprogram
 
@@ -106,7 +106,7 @@ def library_contraction(program: Program, sizes: dict[str, int], dtype: str) -> 
         return Declined(f"its output is a permutation of {stage.name!r}'s axes")
     if dtype not in GEMM_DTYPES:
         return Declined(f"its inputs are {dtype}, not a 16-bit dtype cuBLAS multiplies at full rate")
-    factors, scale = _factors(body.body)
+    factors, scale = product_factors(body.body)
     split = _sides(factors, stage.axes, body.axis)
     if split is None:
         return Declined(f"the body of {stage.name!r} is not a product of two sides over disjoint output axes "
@@ -167,17 +167,6 @@ def library_contraction(program: Program, sizes: dict[str, int], dtype: str) -> 
                         f"for cuBLAS ({library_s * 1e6:.3g} us)", estimated=True)
     return LibraryContraction(stage.name, _spec([operands[0].axes, operands[1].axes], stage.axes),
                               (operands[0], operands[1]), library_s, fused_s)
-
-
-def _factors(expr: Expr) -> tuple[list[Expr], float]:
-    """The factors of a product, its numeric constants folded into one scale."""
-    if isinstance(expr, Binary) and expr.op == "mul":
-        a, sa = _factors(expr.a)
-        b, sb = _factors(expr.b)
-        return a + b, sa * sb
-    if isinstance(expr, Const) and isinstance(expr.value, (int, float)) and not isinstance(expr.value, bool):
-        return [], float(expr.value)
-    return [expr], 1.0
 
 
 def _sides(factors: list[Expr], out_axes: tuple[str, ...], k: str

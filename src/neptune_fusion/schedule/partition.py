@@ -28,7 +28,19 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from neptune_fusion.analysis.chains import chain_axis, transitive_reads
-from neptune_fusion.ir.expr import Binary, Cast, Index, Load, Param, Reduce, Size, free_axes, transform_bottom_up, walk
+from neptune_fusion.ir.expr import (
+    Binary,
+    Cast,
+    Index,
+    Load,
+    Param,
+    Reduce,
+    Size,
+    free_axes,
+    product_factors,
+    transform_bottom_up,
+    walk,
+)
 from neptune_fusion.ir.program import InputBuffer, OutputSpec, Program, Stage
 from neptune_fusion.transform.distribute import distribute_constant_terms
 
@@ -120,7 +132,9 @@ def _tiled_apart(program: Program, long_axes: frozenset[str]) -> tuple[set[str],
     _, chain, reduced = found
     tiled = {st.name: {a for a in st.axes if a in long_axes and a not in reduced} for st in chain}
     readers = {st.name: transitive_reads(program, st.name) for st in program.stages if isinstance(st, Stage)}
-    head = chain[0].name if chain else ""
+    if len(chain) < 2:
+        return None
+    head = chain[0].name
     apart = {st.name for st in chain[1:]
              if not (tiled[st.name] <= tiled[head] or tiled[head] <= tiled[st.name])
              and head not in readers[st.name] and st.name not in readers[head]}
@@ -428,17 +442,12 @@ def is_product_of_operands(program: Program, name: str) -> bool:
     body = program.stage(name).body
     if not (isinstance(body, Reduce) and body.op == "sum"):
         return False
-    factors, todo = [], [body.body]
-    while todo:
-        expr = todo.pop()
-        if isinstance(expr, Binary) and expr.op == "mul":
-            todo += [expr.a, expr.b]
-        elif isinstance(expr, Load):
-            factors.append(free_axes(expr))
-        elif expr.children() or isinstance(expr, (Index, Param, Size)):
-            return False  # a computed factor (exp(s - m) of attention's weights): not a plain product
+    factors, _ = product_factors(body.body)
+    if not all(isinstance(f, Load) for f in factors):
+        return False  # a computed factor (exp(s - m) of attention's weights): not a plain product
+    axes = [free_axes(f) for f in factors]
     kept = set(program.stage(name).axes)
-    return any((a - b) & kept and (b - a) & kept for a in factors for b in factors)
+    return any((a - b) & kept and (b - a) & kept for a in axes for b in axes)
 
 
 def narrow_materialised(groups: list[Group], dtype: str) -> list[Group]:
@@ -462,19 +471,19 @@ def narrow_materialised(groups: list[Group], dtype: str) -> list[Group]:
     """
     out: list[Group] = []
     for k, group in enumerate(groups):
-        narrowed = set()
-        # what the group returns to its caller keeps the dtype the caller compiled for
-        returned = {group.program.outputs[j].stage for j, r in enumerate(group.results) if r.startswith("output:")}
-        for j, result in enumerate(group.results):
-            readers = [g.program for g in groups[k + 1:] if any(b.name == result for b in g.program.inputs)]
-            stage = group.program.stage(group.program.outputs[j].stage)
-            if (not result.startswith("output:") and readers and isinstance(stage.body, Cast)
-                    and stage.name not in returned
-                    and ((result in {st.name for st in group.program.stages}
-                          and is_product_of_operands(group.program, result))
-                         or all(read_only_as_contraction_factor(p, result) for p in readers))):
-                narrowed.add(stage.name)
         program = group.program
+        written = dict(zip(group.results, (o.stage for o in program.outputs)))
+        # what the group returns to its caller keeps the dtype the caller compiled for
+        returned = {stage for r, stage in written.items() if r.startswith("output:")}
+        own = {st.name for st in program.stages}
+        narrowed = set()
+        for result, stage in written.items():
+            if result.startswith("output:") or stage in returned or not isinstance(program.stage(stage).body, Cast):
+                continue
+            readers = [g.program for g in groups[k + 1:] if any(b.name == result for b in g.program.inputs)]
+            if readers and ((result in own and is_product_of_operands(program, result))
+                            or all(read_only_as_contraction_factor(p, result) for p in readers)):
+                narrowed.add(stage)
         if narrowed:
             program = replace(program, stages=tuple(
                 replace(st, body=replace(st.body, dtype=dtype)) if st.name in narrowed else st
