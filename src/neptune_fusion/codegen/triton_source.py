@@ -28,17 +28,21 @@ import triton.language as tl
 
 @triton.jit
 def _floordiv(a, b):
-    # Python's floor division (Triton's // truncates toward zero)
-    q = a // b
-    r = a % b
-    return tl.where((r != 0) & ((r < 0) != (b < 0)), q - 1, q)
+    # Python's floor division of integers (Triton's // truncates toward zero): a - a mod b is a
+    # multiple of b, so truncating its quotient is exact
+    return (a - _mod(a, b)) // b
 
 
 @triton.jit
 def _mod(a, b):
-    # Python's modulo (the sign of the divisor); on floats % is fmod, so this holds for them too
-    r = a % b
-    return tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
+    # Python's modulo (the sign of the divisor). On integers, without a comparison on a % b: Triton's
+    # axis analysis takes a % b of a contiguous run of indices as if the run were not negative
+    # (contiguous between multiples of b), and then computes a comparison on it once per run it
+    # believes constant, so a where on r < 0 picks wrongly for a negative run (an index below 0)
+    if a.dtype.is_floating():  # % is fmod on floats
+        r = a % b
+        return tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
+    return ((a % b) + b) % b
 
 
 @triton.jit
