@@ -14,9 +14,9 @@ import traceback
 from typing import Any
 
 import torch
-import torch.nn.functional as F  # noqa: N812
 
 import neptune_fusion as nf
+from bench.block_step import mlp
 from neptune_fusion.runtime import compiled
 
 _call, _first = compiled._FastLaunch.__call__, compiled._FastLaunch._first
@@ -37,12 +37,6 @@ def traced_first(self: Any, slots: list[Any]) -> None:
     print("   args", [_describe(a) for a in self.bind(slots)[:self.n_args]], flush=True)
     _first(self, slots)
     torch.cuda.synchronize()
-
-
-def mlp(x: torch.Tensor, norm_weight: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    h = F.rms_norm(x, (x.shape[-1],), norm_weight, eps=1e-6)
-    gate, up = F.linear(h, gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, down)
 
 
 def main(tokens: int, width: int, hidden: int) -> None:

@@ -39,11 +39,16 @@ def gather(x_ptr, out_ptr, n, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
 '''
 
 
+def _kernel_file(tmp_path: Path) -> Path:
+    path = tmp_path / "index_helpers_kernel.py"
+    path.write_text(_KERNEL)
+    return path
+
+
 def _load(tmp_path: Path):
     import importlib.util
 
-    path = tmp_path / "index_helpers_kernel.py"
-    path.write_text(_KERNEL)
+    path = _kernel_file(tmp_path)
     spec = importlib.util.spec_from_file_location("index_helpers_kernel", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -80,9 +85,7 @@ def test_sm90_code_computes_the_modulo_of_every_index(tmp_path):
     (1024 indices, 32 a thread, divisor 1408 specialised as a multiple of 16, the run negative)."""
     import json
 
-    path = tmp_path / "index_helpers_kernel.py"
-    path.write_text(_KERNEL)
-    done = subprocess.run([sys.executable, "-c", _OFFLINE, str(path)], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", _OFFLINE, str(_kernel_file(tmp_path))], capture_output=True, text=True,
                           env={**os.environ, "TRITON_INTERPRET": "0"}, timeout=300, cwd=Path(__file__).parents[1])
     assert done.returncode == 0, done.stderr[-3000:]
     llir = json.loads(done.stdout.strip().splitlines()[-1])
