@@ -311,8 +311,11 @@ class _GluonPrinter:
             return _UNARY[at["op"]].format(self.ref(a[0], out.axes))
         if k == "binary":
             name = at["op"]
-            if name in ("floordiv", "mod") and not out.axes:
-                return ("{} // {}" if name == "floordiv" else "{} % {}").format(a[0].name, a[1].name)
+            if name in ("floordiv", "mod") and at.get("nonnegative") and out.dtype not in ("f32", "f16", "bf16"):
+                symbol = "//" if name == "floordiv" else "%"  # operands known not to be negative
+                if not out.axes:
+                    return f"{a[0].name} {symbol} {a[1].name}"
+                return f"({self.ref(a[0], out.axes)} {symbol} {self.ref(a[1], out.axes)})"
             table = _FLOAT_BINARY if out.dtype in ("f32", "f16", "bf16") and name in _FLOAT_BINARY else _BINARY
             return "(" + table[name].format(self.ref(a[0], out.axes), self.ref(a[1], out.axes)) + ")"
         if k == "where":

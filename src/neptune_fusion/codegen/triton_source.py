@@ -191,9 +191,13 @@ class _Printer:
         if k == "binary":
             op_name = at["op"]
             floating = out.dtype in ("f32", "f16", "bf16")
-            if op_name in ("floordiv", "mod") and not out.axes and not floating:
-                # scalar index arithmetic of the launch grid is never negative
-                return ("{} // {}" if op_name == "floordiv" else "{} % {}").format(a[0].name, a[1].name)
+            if op_name in ("floordiv", "mod") and at.get("nonnegative") and not floating:
+                # operands the lowering knows are not negative (grid and tile arithmetic, an index of
+                # axes and sizes): the machine's truncating // and % are Python's there
+                symbol = "//" if op_name == "floordiv" else "%"
+                if not out.axes:
+                    return f"{a[0].name} {symbol} {a[1].name}"
+                return f"({self.ref(a[0], out.axes)} {symbol} {self.ref(a[1], out.axes)})"
             if op_name == "floordiv" and floating:  # Triton's // is for integers only
                 return f"_floordiv_float({self.ref(a[0], out.axes)}, {self.ref(a[1], out.axes)})"
             table = _FLOAT_BINARY if floating and op_name in _FLOAT_BINARY else _BINARY

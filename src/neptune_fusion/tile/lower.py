@@ -185,6 +185,22 @@ def descriptor_hazards(program: Program) -> frozenset[str]:
     return frozenset(found)
 
 
+def _nonnegative_index(expr: Expr) -> bool:
+    """Whether `expr` is integer index arithmetic known not to be negative: axes, sizes and
+    non-negative integers under +, *, // and %.
+
+    Example:
+        >>> _nonnegative_index(Binary("floordiv", Index("h"), Const(4))), _nonnegative_index(Binary("sub", Index("z"), Const(8)))
+        (True, False)
+    """
+    if isinstance(expr, (Index, Size)):
+        return True
+    if isinstance(expr, Const):
+        return isinstance(expr.value, int) and not isinstance(expr.value, bool) and expr.value >= 0
+    return (isinstance(expr, Binary) and expr.op in ("add", "mul", "floordiv", "mod")
+            and _nonnegative_index(expr.a) and _nonnegative_index(expr.b))
+
+
 def _product_factors(expr: Expr) -> list[Expr]:
     if isinstance(expr, Binary) and expr.op == "mul":
         return _product_factors(expr.a) + _product_factors(expr.b)
@@ -490,7 +506,9 @@ class KernelBuilder:
             return v
         return self.op("cast", v.axes, dtype, (v,), scope=scope, prefix="t", to_dtype=dtype)
 
-    def bin(self, op: str, a: TVal, b: TVal, scope: _Scope | None = None) -> TVal:
+    def bin(self, op: str, a: TVal, b: TVal, scope: _Scope | None = None, nonnegative: bool = False) -> TVal:
+        """`a op b`; `nonnegative`: both operands are known not to be negative (grid and tile
+        arithmetic, an index of axes and sizes), where floor division and modulo are the machine's."""
         if op in ("lt", "le", "gt", "ge", "eq", "ne"):
             a, b = self._promote(a, b, scope)
             return self.op("binary", self.union(a, b), "bool", (a, b), scope=scope, op=op)
@@ -506,6 +524,8 @@ class KernelBuilder:
         a, b = self._promote(a, b, scope)
         if op == "div" and a.dtype not in FLOAT_DTYPES:
             a, b = self.to(a, "f32", scope), self.to(b, "f32", scope)
+        if nonnegative and op in ("floordiv", "mod"):
+            return self.op("binary", self.union(a, b), a.dtype, (a, b), scope=scope, op=op, nonnegative=True)
         return self.op("binary", self.union(a, b), a.dtype, (a, b), scope=scope, op=op)
 
     def _promote(self, a: TVal, b: TVal, scope: _Scope | None) -> tuple[TVal, TVal]:
@@ -573,7 +593,7 @@ class KernelBuilder:
                 power = self._power(expr, ctx)
                 return power if power is not None else self._general_power(expr, ctx)
             a, b = self.emit(expr.a, ctx), self.emit(expr.b, ctx)
-            return self.bin(expr.op, a, b)
+            return self.bin(expr.op, a, b, nonnegative=_nonnegative_index(expr.a) and _nonnegative_index(expr.b))
         if isinstance(expr, Where):
             c = self.emit(expr.cond, ctx)
             a, b = self.emit(expr.a, ctx), self.emit(expr.b, ctx)
@@ -1016,8 +1036,8 @@ class KernelBuilder:
         rest = self._grid_tiles(pid_b, grid)
         for axis in reversed(roles.batch):
             size = self.size(axis)
-            self.bindings[axis] = self.bin("mod", rest, size)
-            rest = self.bin("floordiv", rest, size)
+            self.bindings[axis] = self.bin("mod", rest, size, nonnegative=True)
+            rest = self.bin("floordiv", rest, size, nonnegative=True)
         self.bindings[roles.row] = self.op("arange", (roles.row,), "i32", (r0,), prefix="rows", block="BLOCK_R")
         self.tile_start[roles.row] = r0
         held = [a for a in roles.full if a not in self.tiling.loops]  # K-loop axes are bound by their loops
@@ -1072,8 +1092,8 @@ class KernelBuilder:
                                               "a grid-tiled axis needs the plain (row tiles, batch) grid")
             block = self.block[axis]
             tiles = self.op("cdiv", (), "i32", (self.size(axis),), prefix="ntiles", block=block)
-            self.tile_start[axis] = self.bin("mul", self.bin("mod", rest, tiles), TVal(block, (), "i32"))
-            rest = self.bin("floordiv", rest, tiles)
+            self.tile_start[axis] = self.bin("mul", self.bin("mod", rest, tiles, nonnegative=True), TVal(block, (), "i32"))
+            rest = self.bin("floordiv", rest, tiles, nonnegative=True)
             grid[1] = grid[1].times(GridFactor(f"SIZE_{axis.upper()}", block))
             self.config.notes.append(
                 f"axis {axis!r} ({self.config.full_sizes[axis]}) tiled across the grid in blocks of "
@@ -1099,11 +1119,12 @@ class KernelBuilder:
             batch = self.bin("mul", batch, self.size(axis))
         pid = self.op("program_id", (), "i32", prefix="pid", dim=0)
         per_group = self.bin("mul", n_tiles, group_size)
-        index = self.bin("floordiv", pid, per_group)
+        index = self.bin("floordiv", pid, per_group, nonnegative=True)
         first = self.bin("mul", index, group_size)
         width = self.bin("min", self.bin("sub", batch, first), group_size)
         local = self.bin("sub", pid, self.bin("mul", index, per_group))
-        return self.bin("floordiv", local, width), self.bin("add", first, self.bin("mod", local, width))
+        return (self.bin("floordiv", local, width, nonnegative=True),
+                self.bin("add", first, self.bin("mod", local, width, nonnegative=True)))
 
     def _init_state(self) -> dict[str, TVal]:
         state: dict[str, TVal] = {}
@@ -1165,7 +1186,7 @@ class KernelBuilder:
     def _aligned(self, lo: TVal, hi: TVal) -> tuple[TVal, TVal]:
         """[lo, hi) widened to whole tiles; an empty range stays empty."""
         bc = TVal("BLOCK_C", (), "i32")
-        start = self.bin("mul", self.bin("floordiv", self.bin("max", lo, self.const(0)), bc), bc)
+        start = self.bin("mul", self.bin("floordiv", self.bin("max", lo, self.const(0)), bc, nonnegative=True), bc)
         stop = self.bin("mul", self.op("cdiv", (), "i32", (self.bin("max", hi, start),), prefix="nt", block="BLOCK_C"), bc)
         return start, stop
 
@@ -1175,7 +1196,7 @@ class KernelBuilder:
         bc, zero = TVal("BLOCK_C", (), "i32"), self.const(0)
         fs = self.bin("mul", self.op("cdiv", (), "i32", (self.bin("max", full_lo, zero),), prefix="fs", block="BLOCK_C"), bc)
         fs = self.bin("min", self.bin("max", fs, start), stop)
-        fe = self.bin("mul", self.bin("floordiv", self.bin("max", full_hi, zero), bc), bc)
+        fe = self.bin("mul", self.bin("floordiv", self.bin("max", full_hi, zero), bc, nonnegative=True), bc)
         fe = self.bin("min", self.bin("max", fe, fs), stop)
         return [
             (start, fs, True, f"tiles that need masks{label} (before the fully visible range)"),
@@ -1464,7 +1485,8 @@ class KernelBuilder:
         # whole tiles without the axis's mask, then the partial last tile with it: a mask that
         # varies along the contiguous axis (its length is not specialised) makes every load and
         # store of the pass element-wise instead of vectorised (a chunk is whole tiles but the last)
-        whole = self.bin("add", lo, self.bin("mul", self.bin("floordiv", self.bin("sub", hi, lo), TVal(block, (), "i32")),
+        whole = self.bin("add", lo, self.bin("mul", self.bin("floordiv", self.bin("sub", hi, lo), TVal(block, (), "i32"),
+                                                                      nonnegative=True),
                                              TVal(block, (), "i32")))
         for start, stop, masked, comment in (
                 (lo, whole, False, f"second pass over {axis}, whole tiles: outputs indexed by it"),

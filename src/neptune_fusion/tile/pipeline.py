@@ -145,7 +145,7 @@ def _pipeline(loop: Loop, names: itertools.count, is_root: Callable[[Op], bool],
     cond = Op(TVal(f"nonempty_p{n}", (), "bool"), "binary", (loop.start, loop.stop), {"op": "lt"})
     span = _scalar("binary", f"span_p{n}", (loop.stop, loop.start), op="sub")
     span1 = _scalar("binary", f"span1_p{n}", (span.out, one.out), op="sub")
-    iters = _scalar("binary", f"iters_p{n}", (span1.out, step), op="floordiv")
+    iters = _scalar("binary", f"iters_p{n}", (span1.out, step), op="floordiv", nonnegative=True)
     offset = _scalar("binary", f"offset_p{n}", (iters.out, step), op="mul")
     last = _scalar("binary", f"last_p{n}", (loop.start, offset.out), op="add")
     prologue = _clone(sliced, {loop.var.name: loop.start}, names, keep=root.out.name)
