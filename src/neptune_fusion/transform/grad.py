@@ -24,7 +24,10 @@ What is derived, and how:
   "Saved versus recomputed").
 - Zero adjoints stay exactly zero: an adjoint that is 0 where a condition holds (the outputs'
   `where(m == -inf, 0, ...)` for rows with no visible key, a mask) guards every contribution
-  made from it, so a value the forward discarded (0 / 0, inf - inf) never reaches a gradient.
+  made from it, so a value the forward discarded (0 / 0, inf - inf) never reaches a gradient. The
+  guard sits on the partial (on the adjoint where the partial is finite wherever the inputs are,
+  or lacks the condition's axes: it then holds no value the condition discarded), never around
+  the product, which stays a contraction (a dot).
 - Saved versus recomputed: a reduction no larger than some input or output of the program (a
   row statistic) is saved by the forward; larger ones (scores, logits) and element-wise stages
   are recomputed by the backward; a reduction read only by one output is recovered from that
@@ -47,6 +50,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass, field, replace
@@ -68,6 +72,7 @@ from neptune_fusion.ir.expr import (
     Where,
     free_axes,
     loads_of,
+    product_factors,
     rebuild,
     simplify,
     substitute_index,
@@ -357,18 +362,23 @@ class _Reverse:
                 contribution = simplify(_times(upstream, d))
             elif self.plain(d):  # guard the adjoint alone: the product stays a contraction (a dot)
                 contribution = simplify(_times(_guard(zero, upstream), d))
-            elif free_axes(zero) <= free_axes(d):
+            else:
                 # the partial may hold what the forward discarded (0 / 0). The adjoint is exactly 0
                 # where `zero` holds, so guarding the partial alone is the same as guarding the
-                # product, and the guard keeps the partial's axes: the product stays a dot
-                contribution = simplify(_times(upstream, _guard(zero, d)))
-            else:  # the condition has axes the partial lacks: guard the product
-                contribution = _guard(zero, simplify(_times(upstream, d)))
+                # product, and the guard keeps the partial's axes: the product stays a dot. A part
+                # of the condition over axes the partial lacks (the positions a chunk never read)
+                # guards the adjoint: 0 times the partial there, as torch's dense gradient computes
+                own = [c for c in disjuncts(zero) if free_axes(c) <= free_axes(d)]
+                other = [c for c in disjuncts(zero) if not free_axes(c) <= free_axes(d)]
+                guarded_d = _guard(_any_of(own), d) if own else d
+                guarded_up = _guard(_any_of(other), upstream) if other else upstream
+                contribution = simplify(_times(guarded_up, guarded_d))
             self.contribute(stage, load, contribution, frame)
 
     def plain(self, expr: Expr) -> bool:
-        """Whether `expr` is an input's value (directly or through stages that only load): finite
-        wherever the input is, so a zero adjoint times it is zero without a guard of its own."""
+        """Whether `expr` is an input's value or a matrix product of such values (directly or
+        through stages that only load, as a projection split into heads is): finite wherever the
+        inputs are, so a zero adjoint times it is zero without a guard of its own."""
         if isinstance(expr, Const):
             return not isinstance(expr.value, float) or math.isfinite(expr.value)
         if not isinstance(expr, Load):
@@ -376,7 +386,11 @@ class _Reverse:
         if expr.buffer in self.inputs:
             return True
         stage = self.stages.get(expr.buffer)
-        return stage is not None and stage.reduce_op is None and self.plain(stage.body)
+        if stage is None:
+            return False
+        if isinstance(stage.body, Reduce):
+            return stage.body.op == "sum" and all(self.plain(f) for f in product_factors(stage.body.body)[0])
+        return self.plain(stage.body)
 
     def contribute(self, stage: Stage, load: Load, value: Expr, frame: tuple[str, ...]) -> None:
         """Add `value` (over `frame`) to the adjoint of the buffer `load` reads. The frame axes the
@@ -468,7 +482,11 @@ class _Reverse:
             value, frame = self.renamed_apart(value, frame, clash)
             reduced = [a for a in frame if a not in rename]
         axes = tuple(a for a in target_axes if a is not None)
+        # a digit of a merged view's position read back whole (`(h * 128 + d) // 128` is h): a
+        # condition keeps only the axes it depends on, so a guard can stay off a contraction's factor
         zero = _zero_condition(value)
+        if zero is not None:
+            zero = simplify(whole_digits(zero, self.const_sizes()))
         # the partial sums keep the frame's order (b, h, k, not k, b, h): their kernel then shares
         # the roles of the others over the same axes (dK's), where a leading key axis made it a held one
         current = (*[a for a in kept if a not in frame], *[a for a in frame if a in kept or a in reduced])
@@ -482,7 +500,7 @@ class _Reverse:
         if not reduced:
             value = substitute_index(value, rename)
         if zero is not None:
-            zero = substitute_index(zero, rename)
+            zero = simplify(whole_digits(substitute_index(zero, rename), self.const_sizes()))
         self.contribs.setdefault(load.buffer, []).append(_Contribution(value, zero))
 
     # --- the two programs -------------------------------------------------------------
@@ -856,6 +874,10 @@ def _guard(zero: Expr, expr: Expr) -> Expr:
     return expr
 
 
+def _any_of(conditions: list[Expr]) -> Expr:
+    return functools.reduce(lambda a, b: Binary("or", a, b), conditions)
+
+
 def _and(a: Expr, b: Expr) -> Expr:
     return a if a == b else Binary("and", a, b)
 
@@ -913,17 +935,28 @@ def _stabiliser_is_free(program: Program, stabiliser: Stage) -> bool:
         return False  # the output is the max itself: it moves with it (derivative 1, not 0)
     values = symbolic.ValueSymbols()
     factors: dict[str, object] = {}  # moving sum -> d(value)/d(epsilon) / value
+    # each position of the stabiliser moves by its own epsilon: the position of it whose motion a
+    # moving value follows, over that value's own axes
+    follows: dict[str, tuple[Expr, ...]] = {stabiliser.name: tuple(map(Index, stabiliser.axes))}
+    sizes = {a: int(d[1]) for a, d in program.derived_axes.items() if d[0] == "const"}  # type: ignore[call-overload]
 
     def rate(load: Load) -> object:
         if load.buffer == stabiliser.name:
             return symbolic.number(1)
         return factors[load.buffer] * values.symbol(load)  # type: ignore[operator]
 
+    def followed(load: Load) -> tuple[Expr, ...]:
+        at = dict(zip(program.stage(load.buffer).axes, load.index))
+        return tuple(simplify(whole_digits(substitute_index(e, at), sizes)) for e in follows[load.buffer])
+
     def branches(expr: Expr) -> list[tuple[object, object]] | None:
         """(value, derivative along the motion) for each branch of the where()s in `expr`."""
         moving = {n for n in walk(expr) if isinstance(n, Load) and (n.buffer == stabiliser.name or n.buffer in factors)}
-        if any(n.index != tuple(map(Index, program.stage(n.buffer).axes)) for n in moving):
-            return None  # a moving value read at another position moves on its own
+        if len({followed(n) for n in moving}) > 1:
+            return None  # values that follow different positions of the stabiliser: they move apart
+        if any(n.index != tuple(map(Index, program.stage(n.buffer).axes)) and n.buffer in factors
+               and factors[n.buffer].free_symbols for n in moving):  # type: ignore[attr-defined]
+            return None  # a rate that reads values at the sum's own position, read at another
         if any(isinstance(n, Cast) and symbolic.is_condition(n.x) and loads_of(n.x) & {m.buffer for m in moving}
                for n in walk(expr)):
             return None  # a flag of a moving value jumps as it moves: no derivative says it stays
@@ -951,16 +984,21 @@ def _stabiliser_is_free(program: Program, stabiliser: Stage) -> bool:
             if st.name in outputs and not all(symbolic.is_zero(d) for _, d in found):
                 return False
             continue
-        if st.reduce_op != "sum" or st.name in outputs:
-            return False
         factor = _common_ratio(found)
         if factor is False:
             return False
         if factor is None:
-            continue  # this sum does not move
+            continue  # this reduction does not move (a projection of the normalised output)
+        if st.reduce_op != "sum" or st.name in outputs:
+            return False
         if any(st.reduce_axis in free_axes(values.exprs[s]) for s in factor.free_symbols):  # type: ignore[union-attr]
             return False
+        position = next(followed(n) for n in walk(body) if isinstance(n, Load)
+                        and (n.buffer == stabiliser.name or n.buffer in factors))
+        if any(st.reduce_axis in free_axes(e) for e in position):
+            return False  # a sum over positions of the stabiliser: they move by different epsilons
         factors[st.name] = factor
+        follows[st.name] = position
     return True
 
 

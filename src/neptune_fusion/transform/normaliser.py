@@ -161,7 +161,9 @@ def _fold(gradient: Gradient, program: Program, stages: dict[str, Stage], m: str
 
     inputs = tuple(InputBuffer(lse, b.dims) if b.name == m else b for b in backward.inputs if b.name != total)
     body = tuple(Stage(st.name, st.axes, _substitute(st.body, m, lse, total)) for st in backward.all_stages())
-    backward = replace(backward, inputs=inputs, stages=body, axis_sizes=axis_sources(inputs))
+    # an axis sized by an input it is not a dimension of (`z` of x @ x.T, sized by x's rows) keeps that source
+    kept_sizes = {a: (lse if src == m else src, d) for a, (src, d) in backward.axis_sizes.items() if src != total}
+    backward = replace(backward, inputs=inputs, stages=body, axis_sizes={**axis_sources(inputs), **kept_sizes})
     backward.validate()
     return replace(gradient, forward=forward, backward=backward, saved=saved)
 
