@@ -702,3 +702,30 @@ def test_gradients_passed_through_unchanged_share_no_memory() -> None:
     torch._dynamo.reset()
     gx, gy = torch.autograd.grad(torch.compile(fn, backend="aot_eager", fullgraph=True)(x, y).sum(), [x, y])
     assert torch.equal(gx, torch.ones(16, 32)) and torch.equal(gy, torch.ones(16, 32))
+
+
+def _swiglu_mlp(x, norm_weight, gate_up, down):  # noqa: ANN001, ANN202
+    h = torch.nn.functional.rms_norm(x, (x.shape[-1],), norm_weight, eps=1e-6)
+    gate, up = torch.nn.functional.linear(h, gate_up).chunk(2, dim=-1)
+    return torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, down)
+
+
+def test_swiglu_mlp_backward_computes_dh_once() -> None:
+    """The MLP's backward: dh = dgate_up @ W (no larger than x) is computed by one kernel, not
+    again by each of its readers (dx, the norm weight's gradient). Gradients as torch's."""
+    from neptune_fusion.schedule.partition import partition_loops
+
+    torch.manual_seed(0)
+    args = [torch.randn(16, 32), 1 + 0.1 * torch.randn(32), torch.randn(96, 32) / 32**0.5, torch.randn(32, 48) / 48**0.5]
+    leaves = [a.clone().requires_grad_() for a in args]
+    seed = torch.randn(16, 32)
+    nf.compile(_swiglu_mlp)(*leaves).backward(seed)
+    want = [a.clone().requires_grad_() for a in args]
+    _swiglu_mlp(*want).backward(seed)
+    assert_grads([a.grad for a in leaves], [a.grad for a in want], tol=1e-4)
+
+    grad = differentiate(nf.program(_swiglu_mlp).trace(*args), ("x", "norm_weight", "gate_up", "down"))
+    groups = partition_loops(grad.backward, grad.held)
+    by_result = {r: g for g in groups for r in g.results}
+    dh = by_result["grad_ew1_part"]  # sum over the hidden axis z, axes (a, y) as x's
+    assert [g for g in groups if "grad_ew1_part" in {st.name for st in g.program.all_stages()}] == [dh]

@@ -162,12 +162,12 @@ def _attention_kernel(block_row: int, block_col: int, head: int, stages: int, wa
 
 
 def test_a_training_call_with_an_fp32_contraction_in_its_combine_fits(offline):
-    """LayerNorm -> matmul's backward (bf16, 2387 x 1024 @ 1024 x 296) splits a reduction; its
-    combine's second pass contracts the gradient with w in fp32, 512 held columns by an epilogue
-    tile: 266 KB of shared memory at 128-wide tiles, more than the H200 has. The combine narrows its
-    epilogue tiles until the estimate fits, and the estimate counts the operand in fp32."""
-    combines = [k for k in offline["training"] if k["kernel"].endswith("_combine")]
-    assert any("BLOCK_K" in k["blocks"] for k in combines)
+    """LayerNorm -> matmul's backward (bf16, 2387 x 1024 @ 1024 x 296) contracts the gradient with
+    w in fp32. The normalised rows' gradient (x's size) is computed once by a kernel of its own
+    (schedule/partition.py), where a split reduction's combine once contracted it again in a second
+    pass (266 KB of shared memory at 128-wide tiles, narrowed until it fit). Every kernel fits the
+    H200, and the estimate, which counts an fp32 operand at 4 bytes, is at least what it takes."""
+    assert offline["training"]
     for kernel in offline["training"]:
         assert kernel["shared"] <= H200_SHARED_BYTES, kernel
         assert kernel["estimate"] >= kernel["shared"], kernel
