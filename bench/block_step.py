@@ -11,6 +11,7 @@ warm-up). Writes $OUT/block_step_<part>.json.
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any, Callable
 
 import torch
@@ -55,8 +56,9 @@ def max_rel(got: list[torch.Tensor], want: list[torch.Tensor]) -> list[float]:
     return [((g.float() - w).abs().max() / w.abs().max()).item() for g, w in zip(got, want)]
 
 
-def profile(step: Callable[[], Any]) -> None:
-    """Each GPU kernel's total time over 5 steps (torch.profiler), the largest first."""
+def profile(step: Callable[[], Any], part: str) -> None:
+    """Each GPU kernel's total time over 5 steps (torch.profiler), the largest first; with $OUT set,
+    the trace (each launch's grid and block) goes to $OUT/block_step_<part>_trace.json."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -65,6 +67,8 @@ def profile(step: Callable[[], Any]) -> None:
             step()
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=60), flush=True)
+    if os.environ.get("OUT"):
+        prof.export_chrome_trace(os.path.join(os.environ["OUT"], f"block_step_{part}_trace.json"))
 
 
 def main() -> None:
@@ -92,7 +96,7 @@ def main() -> None:
         result[name] = {"step_us": us, "grad_max_rel_err": errors}
         print(f"{a.part} {name}: fwd+bwd {us:.0f} us, gradient errors {[f'{e:.1e}' for e in errors]}", flush=True)
         if a.profile and name == "nf":
-            profile(lambda step=step, leaves=leaves: step(*leaves).backward(seed.half()))
+            profile(lambda step=step, leaves=leaves: step(*leaves).backward(seed.half()), a.part)
     for name in ("eager", "torch.compile"):
         print(f"  nf speed-up over {name}: {result[name]['step_us'] / result['nf']['step_us']:.2f}x")
     bad = [e for e in result["nf"]["grad_max_rel_err"] if not e < 2e-2]
