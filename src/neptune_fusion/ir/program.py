@@ -163,6 +163,18 @@ class Program:
     def consumers(self, name: str) -> list[Node]:
         return [n for n in self.stages if name in n.reads()]
 
+    def holds_as_large(self, axes: tuple[str, ...] | list[str] | set[str]) -> bool:
+        """Whether an input or output of the program spans all of `axes`: a value over them costs
+        no more memory than a tensor the program already holds.
+
+        Example:
+            >>> prog = Program("p", (InputBuffer("x", ("i", "j")),), (), (), ())
+            >>> prog.holds_as_large(("i",)), prog.holds_as_large(("i", "k"))
+            (True, False)
+        """
+        tensors = [b.dims for b in self.inputs] + [o.dims for o in self.outputs]
+        return any(set(axes) <= set(dims) - {None} for dims in tensors)
+
     def with_stages(self, stages: list[Node] | tuple[Node, ...]) -> Program:
         return replace(self, stages=tuple(stages))
 

@@ -581,8 +581,8 @@ def partition_loops(program: Program, held: frozenset[str]) -> list[Group]:
     tensor the program holds, is recomputed inside those kernels, as scores are. Every other
     reduction is a loop of its own: those over the same axis, with the same axes apart from held
     ones, share a kernel (`_kernels`); what a kernel reads from an earlier one is materialised
-    (fp32). An element-wise output goes
-    with the last kernel it reads (or, reading none, into a group without a reduction).
+    (fp32). An element-wise output goes with the last kernel it reads (or, reading none, into a
+    group without a reduction).
 
     Example:
         >>> import torch
@@ -614,14 +614,6 @@ def partition_loops(program: Program, held: frozenset[str]) -> list[Group]:
                         todo.append(st.name)
         return found
 
-    # a reduction no larger than a tensor the program holds (dh's sum over a hidden axis, not the
-    # logits) costs no more memory than that tensor: it is computed once, where recomputing it in
-    # each kernel that reads it would redo a whole matmul when the axis is K-looped
-    tensors = [set(b.dims) - {None} for b in program.inputs] + [set(o.dims) - {None} for o in program.outputs]
-
-    def no_larger_than_a_tensor(st: Stage) -> bool:
-        return any(set(st.axes) <= axes for axes in tensors)
-
     # a reduction read at other positions than its own (through a reshape) is computed by a kernel
     # of its own: a kernel holds only its own rows of what it computes
     reductions = {st.name for st in stages if st.reduce_op is not None}
@@ -630,8 +622,11 @@ def partition_loops(program: Program, held: frozenset[str]) -> list[Group]:
         if st.reduce_op is None:
             continue
         readers = readers_through(st.name)
+        # a reduction no larger than a tensor the program holds (dh's sum over a hidden axis, not
+        # the logits) costs no more memory than that tensor: it is computed once, where recomputing
+        # it in each kernel that reads it would redo a whole matmul when the axis is K-looped
         if (st.name in outputs or st.name in shifted or st.reduce_axis not in held or not readers
-                or any(by_name[r].reduce_axis not in st.axes for r in readers) or no_larger_than_a_tensor(st)):
+                or any(by_name[r].reduce_axis not in st.axes for r in readers) or program.holds_as_large(st.axes)):
             loops[st.name] = (st.reduce_axis, frozenset(st.axes) - held)
 
     def loop_reads(name: str) -> set[str]:

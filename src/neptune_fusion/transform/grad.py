@@ -518,7 +518,7 @@ class _Reverse:
                     continue
                 if name in output_of and name not in exact:
                     outputs_read.append(output_of[name])
-                elif stage.reduce_op is not None and self.small(stage) and self.saveable(stage):
+                elif stage.reduce_op is not None and self.program.holds_as_large(stage.axes) and self.saveable(stage):
                     saved.append(name)
                 else:
                     recompute.append(stage)
@@ -557,7 +557,7 @@ class _Reverse:
         if buffer in self.inputs:
             return True
         stage = self.stages[buffer]
-        if stage.reduce_op is not None and self.small(stage) and self.saveable(stage):
+        if stage.reduce_op is not None and self.program.holds_as_large(stage.axes) and self.saveable(stage):
             return True
         return buffer not in exact and any(o.stage == buffer for o in self.program.outputs)
 
@@ -580,12 +580,6 @@ class _Reverse:
                 return False
             todo.extend(self.stages[name].reads())
         return True
-
-    def small(self, stage: Stage) -> bool:
-        """A reduction no larger than a tensor the program already holds: saving it costs no more."""
-        held = [set(b.dims) - {None} for b in self.program.inputs]
-        held += [set(o.dims) - {None} for o in self.program.outputs]
-        return any(set(stage.axes) <= axes for axes in held)
 
     def recover(self, read: set[str], output_of: dict[str, int], exact: set[str]) -> dict[str, Stage]:
         """Reductions the backward reads that can be computed back from the one output reading
