@@ -232,3 +232,22 @@ def test_a_tile_past_the_last_key_is_never_full(lengths, by_block_mask):
     out = nf.attention(q, k, v, block_mask=mask, mask_mod=None if by_block_mask else document)
     s = (q @ k.transpose(-1, -2) * 0.25).masked_fill(q_doc[:, None] != kv_doc[None, :], -math.inf)
     torch.testing.assert_close(out, torch.softmax(s, -1).nan_to_num(0.0) @ v, atol=2e-5, rtol=1e-4)
+
+
+@nf.program
+def lower_triangle_matmul(a, b):
+    """tril(a * a) @ (b * b): both operands are computed, so the tile's rows are b's columns and the
+    masked axis (a's rows) is held in the tile across the dot, not tiled per program."""
+    i, k = nf.index(a, 0), nf.index(a, 1)
+    return (nf.where(i >= k, a * a, 0.0)[:, :, None] * (b * b)[None, :, :]).sum(axis=1)
+
+
+def test_a_mask_on_an_axis_held_in_the_tile_stays_element_wise():
+    """A condition on the loop axis and an axis the tile holds beside the rows bounds the loop
+    differently for each of its positions: no tile is skipped for it, it is applied element-wise
+    (its loop bounds were once computed from the whole tile, and the kernel failed)."""
+    a, b = torch.randn(64, 96), torch.randn(96, 80)
+    fn = nf.compile(lower_triangle_matmul)
+    torch.testing.assert_close(fn(a, b), torch.tril(a * a) @ (b * b), rtol=1e-4, atol=1e-3)
+    text = nf.explain(lower_triangle_matmul, a, b)
+    assert "tile axes ('a2', 'a1', 'a0')" in text and "no mask: tiles [0, size_a1) visited" in text

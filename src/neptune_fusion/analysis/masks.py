@@ -248,8 +248,12 @@ def exact_anywhere(cond: Expr, int_params: set[str], int_buffers: frozenset[str]
 
 
 def analyze_masks(loop: FusedLoop, row: str, int_params: set[str] | None, vanishes: Vanishes,
-                  int_buffers: frozenset[str] = frozenset()) -> MaskInfo:
+                  int_buffers: frozenset[str] = frozenset(), held: frozenset[str] = frozenset()) -> MaskInfo:
     """The masks of `loop` (see module docstring); `row` is the axis tiled per program.
+
+    `held`: the axes a program holds as tiles besides the row and the loop axis (a matmul's
+    output columns). A condition reading one is not a mask: its bounds on the loop axis would
+    differ across the tile, so it stays an element-wise `where` in every tile.
 
     `vanishes(g, node, value, identity, producers)` must prove that g with `node` set to `value`
     is the reducer's identity (the algebra layer's `contribution_vanishes`). Only conditions
@@ -266,6 +270,7 @@ def analyze_masks(loop: FusedLoop, row: str, int_params: set[str] | None, vanish
     for _, g in bodies:
         for node in walk(g):
             if (isinstance(node, Where) and col in free_axes(node.cond) and node not in candidates
+                    and not free_axes(node.cond) & held
                     and any(_is_number(x) for x in (node.a, node.b))
                     and exact_anywhere(node.cond, int_params, int_buffers)):
                 candidates.append(node)

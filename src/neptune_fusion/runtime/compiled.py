@@ -304,16 +304,20 @@ def long_axes(program: Program, args: dict[str, Any]) -> frozenset[str]:
     return frozenset(a for a, n in axis_extents(program, args).items() if n > MAX_WHOLE)
 
 
-_MASKS: dict[tuple[str, str], MaskInfo] = {}
+_MASKS: dict[str, MaskInfo] = {}
 
 
-def _masks_of(fused: Program, row: str) -> MaskInfo:
-    """The mask analysis of a fused program's loop, cached by its fingerprint (like `_fuse_cached`)."""
-    key = (fused.fingerprint(), row)
+def _masks_of(fused: Program) -> MaskInfo:
+    """The mask analysis of a fused program's loop, as its kernel sees it (tile/lower.py), cached
+    by its fingerprint (like `_fuse_cached`)."""
+    key = fused.fingerprint()
     if key not in _MASKS:
+        roles = _roles_of(fused)
         int_params = {p for p, k in fused.param_kinds.items() if k == "int"}
         int_buffers = frozenset(b.name for b in fused.inputs if b.kind != "float")
-        _MASKS[key] = analyze_masks(fused_loop_of(fused), row, int_params, contribution_vanishes, int_buffers)
+        held = frozenset(roles.tile_axes) - {roles.row, roles.col}
+        _MASKS[key] = analyze_masks(fused_loop_of(fused), roles.row, int_params, contribution_vanishes, int_buffers,
+                                    held)
     return _MASKS[key]
 
 
@@ -342,7 +346,7 @@ def _choose_layout(fused: Program, sizes: dict[str, int]) -> tuple[Program, tupl
 
 
 def _layout_for(fused: Program, roles: Any, rows: int) -> tuple[Program, tuple[str, str, int] | None]:
-    masks = _masks_of(fused, roles.row)
+    masks = _masks_of(fused)
     if any(roles.row in free_axes(m.node.cond) for m in masks.masks):
         return fused, None  # packing would turn a mask affine in the rows into one needing a block map
     for axis in roles.batch:
@@ -626,7 +630,7 @@ class Compiled:
         sizes = axis_extents(fused, args)
         full_sizes = {a: sizes[a] for a in roles.full}
         batch = math.prod(sizes[a] for a in roles.batch)
-        masks = _masks_of(fused, roles.row)
+        masks = _masks_of(fused)
         use_block_map = masks.residual
         given_plan = plan is not None
         inner_loop_length = sum(full_sizes[a] for a in inner_loop_axes(fused, full_sizes))
