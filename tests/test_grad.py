@@ -729,3 +729,23 @@ def test_swiglu_mlp_backward_computes_dh_once() -> None:
     by_result = {r: g for g in groups for r in g.results}
     dh = by_result["grad_ew1_part"]  # sum over the hidden axis z, axes (a, y) as x's
     assert [g for g in groups if "grad_ew1_part" in {st.name for st in g.program.all_stages()}] == [dh]
+
+
+def test_swiglu_mlp_weight_gradient_is_a_matmul_over_the_hidden_axis() -> None:
+    """dW_gate_up sums over tokens a product of three factors: the gate's derivative (tokens x
+    hidden), the normalised input's x and its row statistic rsqrt(mean(x^2)). They group into the
+    two operands of a dot, so the hidden axis is held in the tile, not a program per hidden index;
+    the chunk's guard (positions neither half reads) is on the adjoint, off the product."""
+    from neptune_fusion.schedule.partition import partition_loops
+    from neptune_fusion.schedule.pipeline import fuse
+    from neptune_fusion.tile.lower import assign_roles
+
+    torch.manual_seed(0)
+    args = [torch.randn(16, 32), 1 + 0.1 * torch.randn(32), torch.randn(96, 32) / 32**0.5, torch.randn(32, 48) / 48**0.5]
+    grad = differentiate(nf.program(_swiglu_mlp).trace(*args), ("x", "norm_weight", "gate_up", "down"))
+    group = next(g for g in partition_loops(grad.backward, grad.held)
+                 if "grad_gate_up_part" in {st.name for st in g.program.all_stages()})
+    hidden = grad.backward.input("gate_up").dims[0]
+    roles = assign_roles(fuse(group.program)[-1].program)
+    assert hidden in roles.tile_axes and hidden not in roles.batch, roles
+    assert roles.k_loop  # every member sums loaded products: the loop is a dot's K-loop

@@ -372,11 +372,47 @@ def _without_casts(expr: Expr) -> Expr:
 
 
 def _summed_product(node: Expr) -> tuple[Expr, Expr] | None:
-    """The two factors of `node` where it is a sum of a product (through casts), else None."""
+    """The two operands of `node` where it is a sum of a product (through casts) whose factors fall
+    into two groups, each joined by output axes the other lacks, else None. A factor with no such
+    axis (a row statistic of the summed axis) goes with a computed operand, a loaded one staying
+    as it is loaded.
+
+    Example:
+        >>> g, x, r = (Load(n, tuple(map(Index, axes))) for n, axes in (("g", "az"), ("x", "ay"), ("r", "a")))
+        >>> [sorted(loads_of(o)) for o in _summed_product(Reduce("sum", "a", g * x * r))]   # dW = (g r)^T x
+        [['g', 'r'], ['x']]
+    """
     if not (isinstance(node, Reduce) and node.op == "sum"):
         return None
-    product = _without_casts(node.body)
-    return (product.a, product.b) if isinstance(product, Binary) and product.op == "mul" else None
+    factors = _product_factors(_without_casts(node.body))
+    if len(factors) < 2:
+        return None
+    own = [free_axes(f) - {node.axis} for f in factors]
+    carried = [axes for axes in own if axes]
+    common = set.intersection(*carried) if carried else set()
+    groups: list[tuple[set[str], list[int]]] = []  # (axes, factor positions), joined by shared axes
+    for i, axes in enumerate(own):
+        if not axes - common:
+            continue
+        touching = [g for g in groups if g[0] & axes]
+        joined = (set(axes - common).union(*(g[0] for g in touching)), sorted([i, *(j for g in touching for j in g[1])]))
+        groups = [g for g in groups if g not in touching] + [joined]
+    if len(groups) != 2:
+        return None
+    first, second = sorted((g[1] for g in groups), key=lambda positions: positions[0])
+    rest = [i for i, axes in enumerate(own) if not axes - common]
+    if rest:
+        computed = [g for g in (first, second) if len(g) > 1 or not isinstance(_without_casts(factors[g[0]]), Load)]
+        (computed[0] if computed else first).extend(rest)
+
+    def product(positions: list[int]) -> Expr:
+        first_position, *others = sorted(positions)
+        out = factors[first_position]
+        for i in others:
+            out = Binary("mul", out, factors[i])
+        return out
+
+    return product(first), product(second)
 
 
 def computed_operand_axes(members: tuple[Stage, ...]) -> list[str]:
@@ -460,7 +496,8 @@ class KernelBuilder:
             self.constexprs[f"BLOCK_{axis.upper()}"] = config.block_epilogue
         int_params = {p for p, k in program.param_kinds.items() if k == "int"}
         int_buffers = frozenset(b.name for b in program.inputs if b.kind != "float")
-        self.masks: MaskInfo = analyze_masks(self.loop, self.roles.row, int_params, contribution_vanishes, int_buffers)
+        self.masks: MaskInfo = analyze_masks(self.loop, self.roles.row, int_params, contribution_vanishes, int_buffers,
+                                             frozenset(self.roles.tile_axes) - {self.roles.row, self.roles.col})
 
     # --- values -----------------------------------------------------------------
     def fresh(self, prefix: str) -> str:

@@ -24,7 +24,10 @@ What is derived, and how:
   "Saved versus recomputed").
 - Zero adjoints stay exactly zero: an adjoint that is 0 where a condition holds (the outputs'
   `where(m == -inf, 0, ...)` for rows with no visible key, a mask) guards every contribution
-  made from it, so a value the forward discarded (0 / 0, inf - inf) never reaches a gradient.
+  made from it, so a value the forward discarded (0 / 0, inf - inf) never reaches a gradient. The
+  guard sits on the partial (on the adjoint where the partial is finite wherever the inputs are,
+  or lacks the condition's axes: it then holds no value the condition discarded), never around
+  the product, which stays a contraction (a dot).
 - Saved versus recomputed: a reduction no larger than some input or output of the program (a
   row statistic) is saved by the forward; larger ones (scores, logits) and element-wise stages
   are recomputed by the backward; a reduction read only by one output is recovered from that
@@ -47,6 +50,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass, field, replace
@@ -358,13 +362,17 @@ class _Reverse:
                 contribution = simplify(_times(upstream, d))
             elif self.plain(d):  # guard the adjoint alone: the product stays a contraction (a dot)
                 contribution = simplify(_times(_guard(zero, upstream), d))
-            elif free_axes(zero) <= free_axes(d):
+            else:
                 # the partial may hold what the forward discarded (0 / 0). The adjoint is exactly 0
                 # where `zero` holds, so guarding the partial alone is the same as guarding the
-                # product, and the guard keeps the partial's axes: the product stays a dot
-                contribution = simplify(_times(upstream, _guard(zero, d)))
-            else:  # the condition has axes the partial lacks: guard the product
-                contribution = _guard(zero, simplify(_times(upstream, d)))
+                # product, and the guard keeps the partial's axes: the product stays a dot. A part
+                # of the condition over axes the partial lacks (the positions a chunk never read)
+                # guards the adjoint: 0 times the partial there, as torch's dense gradient computes
+                own = [c for c in disjuncts(zero) if free_axes(c) <= free_axes(d)]
+                other = [c for c in disjuncts(zero) if not free_axes(c) <= free_axes(d)]
+                guarded_d = _guard(_any_of(own), d) if own else d
+                guarded_up = _guard(_any_of(other), upstream) if other else upstream
+                contribution = simplify(_times(guarded_up, guarded_d))
             self.contribute(stage, load, contribution, frame)
 
     def plain(self, expr: Expr) -> bool:
@@ -858,6 +866,10 @@ def _guard(zero: Expr, expr: Expr) -> Expr:
     for part in reversed(disjuncts(zero)):
         expr = Where(part, Const(0.0), expr)
     return expr
+
+
+def _any_of(conditions: list[Expr]) -> Expr:
+    return functools.reduce(lambda a, b: Binary("or", a, b), conditions)
 
 
 def _and(a: Expr, b: Expr) -> Expr:
