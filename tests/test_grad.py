@@ -749,3 +749,42 @@ def test_swiglu_mlp_weight_gradient_is_a_matmul_over_the_hidden_axis() -> None:
     roles = assign_roles(fuse(group.program)[-1].program)
     assert hidden in roles.tile_axes and hidden not in roles.batch, roles
     assert roles.k_loop  # every member sums loaded products: the loop is a dot's K-loop
+
+
+def _causal_self_attention(x, wq, wk, wv):  # noqa: ANN001, ANN202 - heads of 8 by view, as model code writes it
+    t, d = x.shape
+    q, k, v = (torch.nn.functional.linear(x, w).view(t, d // 8, 8).transpose(0, 1) for w in (wq, wk, wv))
+    o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return o.transpose(0, 1).reshape(t, d)
+
+
+def test_self_attention_from_model_code_backward_keeps_no_token_by_token_matrix() -> None:
+    """Queries and keys of one projection: the backward reads the scores S[q, k] at (k_sum, k) for
+    dK and dV, an axis renamed apart from the keys. S and dP are still recomputed inside the
+    kernels that sum them (none writes a token x token matrix), and dK's and dV's sums over the
+    renamed queries share one kernel and its loop; the forward's max and the sums reading it are
+    recomputed by one loop. Gradients as torch's."""
+    from neptune_fusion.schedule.partition import partition_loops
+
+    torch.manual_seed(0)
+    args = [torch.randn(24, 16)] + [torch.randn(16, 16) / 4 for _ in range(3)]
+    leaves = [a.clone().requires_grad_() for a in args]
+    seed = torch.randn(24, 16)
+    nf.compile(_causal_self_attention)(*leaves).backward(seed)
+    want = [a.double().requires_grad_() for a in args]
+    _causal_self_attention(*want).backward(seed.double())
+    assert_grads([a.grad for a in leaves], [a.grad.float() for a in want], tol=1e-4)
+
+    grad = differentiate(nf.program(_causal_self_attention).trace(*args), ("x", "wq", "wk", "wv"))
+    backward = grad.backward
+    tokens = {a for a, source in backward.axis_sizes.items() if source == ("x", 0)}
+    copies = {a for a, how in backward.derived_axes.items() if how[0] == "mulc" and how[1] in tokens}
+    groups = partition_loops(backward, grad.held)
+    written = [backward.stage(r).axes for g in groups for r in g.results if not r.startswith("output:")]
+    assert all(len(set(axes) & (tokens | copies)) < 2 for axes in written), written
+    over_copies = [g for g in groups if g.program.loop_axis in copies]
+    assert len(over_copies) == 1 and len(over_copies[0].results) == 2, [g.results for g in over_copies]
+    # the forward's statistics, recomputed, in one loop as the forward computes them: the max,
+    # then the weighted sum and the normaliser that read it
+    statistics = [g for g in groups if any(backward.stage(r).reduce_op == "max" for r in g.results if ":" not in r)]
+    assert [len(g.results) for g in statistics] == [3], [g.results for g in statistics]

@@ -31,6 +31,7 @@ from neptune_fusion.analysis.chains import chain_axis, transitive_reads
 from neptune_fusion.ir.expr import (
     Binary,
     Cast,
+    Expr,
     Index,
     Load,
     Param,
@@ -38,6 +39,7 @@ from neptune_fusion.ir.expr import (
     Size,
     free_axes,
     product_factors,
+    substitute_index,
     transform_bottom_up,
     walk,
 )
@@ -626,7 +628,9 @@ def partition_loops(program: Program, held: frozenset[str]) -> list[Group]:
         # the logits) costs no more memory than that tensor: it is computed once, where recomputing
         # it in each kernel that reads it would redo a whole matmul when the axis is K-looped
         if (st.name in outputs or st.name in shifted or st.reduce_axis not in held or not readers
-                or any(by_name[r].reduce_axis not in st.axes for r in readers) or program.holds_as_large(st.axes)):
+                or any(by_name[r].reduce_axis not in _axes_read_at(by_name[r].body, st.name, by_name, loops)
+                       for r in readers)
+                or program.holds_as_large(st.axes)):
             loops[st.name] = (st.reduce_axis, frozenset(st.axes) - held)
 
     def loop_reads(name: str) -> set[str]:
@@ -642,6 +646,8 @@ def partition_loops(program: Program, held: frozenset[str]) -> list[Group]:
                 todo.extend(by_name[cur].reads())
         return found & set(loops)
 
+    program = _loops_over_copies_shared(program, loops, loop_reads)
+    by_name = {st.name: st for st in program.stages if isinstance(st, Stage)}
     kernels = _kernels(order, loops, loop_reads)
     kernel_of = {m: i for i, members in enumerate(kernels) for m in members}
     extra: dict[int, list[str]] = {}  # element-wise outputs, by the kernel they go with
@@ -659,6 +665,79 @@ def partition_loops(program: Program, held: frozenset[str]) -> list[Group]:
         if members:
             groups.append(_loop_group(program, members, set(loops) - set(members), later_reads, i))
     return groups
+
+
+def _loops_over_copies_shared(program: Program, loops: dict[str, tuple[str, frozenset[str]]],
+                              loop_reads: Callable[[str], set[str]]) -> Program:
+    """`program` with the loop reductions over copies of one axis (an axis the backward renamed
+    apart, of the same extent: dK's and dV's sums over the queries of a projection) that have the
+    same other axes summing over one name, so that they share a kernel and its loop; `loops`
+    is updated. One that reads the other, or in whose body the name is free, keeps its own.
+
+    Example:
+        >>> x = Load("x", (Index("i"), Index("j")))
+        >>> dk = Stage("dk", ("j",), Reduce("sum", "i_sum", substitute_index(x, {"i": Index("i_sum")})))
+        >>> dv = Stage("dv", ("j",), Reduce("sum", "i_sum_1", substitute_index(x * x, {"i": Index("i_sum_1")})))
+        >>> prog = Program("p", (InputBuffer("x", ("i", "j")),), (), (dk, dv), (OutputSpec("dk", ("j",)), OutputSpec("dv", ("j",))),
+        ...                derived_axes={"i_sum": ("mulc", "i", 1), "i_sum_1": ("mulc", "i", 1)})
+        >>> loops = {"dk": ("i_sum", frozenset({"j"})), "dv": ("i_sum_1", frozenset({"j"}))}
+        >>> [st.reduce_axis for st in _loops_over_copies_shared(prog, loops, lambda name: set()).stages]
+        ['i_sum', 'i_sum']
+    """
+    def extent_of(axis: str) -> str:
+        while (how := program.derived_axes.get(axis)) is not None and how[0] == "mulc" and how[2] == 1:
+            axis = str(how[1])
+        return axis
+
+    first: dict[tuple[str, frozenset[str]], str] = {}  # (extent, other axes) -> the loop named first
+    renamed: dict[str, str] = {}
+    for st in program.stages:
+        if not isinstance(st, Stage) or st.name not in loops:
+            continue
+        axis, others = loops[st.name]
+        key = (extent_of(axis), others)
+        if key not in first:
+            first[key] = st.name
+            continue
+        lead = first[key]
+        target = loops[lead][0]
+        if (target != axis and target not in free_axes(st.body) and lead not in loop_reads(st.name)
+                and st.name not in loop_reads(lead)):
+            renamed[st.name] = target
+            loops[st.name] = (target, others)
+    if not renamed:
+        return program
+    stages = []
+    for st in program.stages:
+        if isinstance(st, Stage) and st.name in renamed and isinstance(st.body, Reduce):
+            body = Reduce(st.body.op, renamed[st.name], substitute_index(st.body.body, {st.body.axis: Index(renamed[st.name])}))
+            st = replace(st, body=body)
+        stages.append(st)
+    return program.with_stages(stages)
+
+
+def _axes_read_at(expr: Expr, name: str, by_name: dict[str, Stage], loops: dict[str, Any]) -> set[str]:
+    """The axes of the positions at which `expr` reads `name`, directly or through stages computed
+    again where they are read (not in `loops`): dK's sum over queries reads the scores S[q, k] of a
+    projection written once for both as S[k_sum, k], at its loop axis.
+
+    Example:
+        >>> s = Stage("s", ("i", "j"), Reduce("sum", "d", Load("x", (Index("i"), Index("d")))))
+        >>> e = Stage("e", ("i", "j"), Load("s", (Index("i"), Index("j"))))
+        >>> sorted(_axes_read_at(Load("e", (Index("j"), Index("i_sum"))), "s", {"s": s, "e": e}, {}))
+        ['i_sum', 'j']
+    """
+    found: set[str] = set()
+    for load in walk(expr):
+        if not isinstance(load, Load):
+            continue
+        if load.buffer == name:
+            found |= set().union(*(free_axes(i) for i in load.index))
+        elif load.buffer in by_name and load.buffer not in loops:
+            stage = by_name[load.buffer]
+            at = substitute_index(stage.body, dict(zip(stage.axes, load.index)))
+            found |= _axes_read_at(at, name, by_name, loops)
+    return found
 
 
 def _shifted_loads(name: str, by_name: dict[str, Stage], reductions: set[str]) -> set[str]:
@@ -686,26 +765,55 @@ def _shifted_loads(name: str, by_name: dict[str, Stage], reductions: set[str]) -
 def _kernels(order: list[str], loops: dict[str, tuple[str, frozenset[str]]],
              loop_reads: Callable[[str], set[str]]) -> list[list[str]]:
     """The loop reductions by kernel, in the order the kernels run: one kernel per (loop axis,
-    tiled axes), unless the kernels would then read each other's results in a cycle; then also
-    by depth in the dependency order."""
+    tiled axes), unless the kernels would then read each other's results in a cycle; then the
+    kernels of the cycle also by depth in the dependency order (those outside it stay whole: dK's
+    and dV's sums share their loop while the forward's recomputed statistics and dQ, which reads
+    them through D, part)."""
     reads = {name: loop_reads(name) for name in loops}
 
-    def ranked(keys: dict[str, Any]) -> list[list[str]] | None:
+    def graph_of(keys: dict[str, Any]) -> dict[Any, set[Any]]:
         graph: dict[Any, set[Any]] = {key: set() for key in keys.values()}
         for name, key in keys.items():
             graph[key] |= {keys[r] for r in reads[name]} - {key}
-        ordered = _topological(graph)
+        return graph
+
+    def ranked(keys: dict[str, Any]) -> list[list[str]] | None:
+        ordered = _topological(graph_of(keys))
         return None if ordered is None else [[n for n in order if keys.get(n) == key] for key in ordered]
 
     found = ranked(dict(loops))
-    if found is None:  # a cycle between kernels: split each by depth
+    if found is None:  # a cycle between kernels: split those on one by depth
+        # counted in reads of other kernels' reductions: a max and the sums that read it (a
+        # softmax's statistics) stay in one loop, as the forward computes them
         depth: dict[str, int] = {}
         for name in order:
             if name in loops:
-                depth[name] = 1 + max((depth[r] for r in reads[name]), default=0)
-        found = ranked({name: (depth[name], *loops[name]) for name in loops})
-        assert found is not None  # depth strictly increases along every read: no cycle is left
+                depth[name] = max((depth[r] + (loops[r] != loops[name]) for r in reads[name]), default=0)
+        cyclic = _on_a_cycle(graph_of(dict(loops)))
+        found = ranked({name: (depth[name], *key) if key in cyclic else key for name, key in loops.items()})
+        # depth never decreases along a read and increases along one between kernels: no cycle is left
+        assert found is not None
     return found
+
+
+def _on_a_cycle(graph: dict[Any, set[Any]]) -> set[Any]:
+    """The keys of `graph` (key -> keys it reads) that reach themselves.
+
+    Example:
+        >>> sorted(_on_a_cycle({"a": {"b"}, "b": {"a"}, "c": {"a"}}))
+        ['a', 'b']
+    """
+    def reached(start: Any) -> set[Any]:
+        seen: set[Any] = set()
+        todo = list(graph[start])
+        while todo:
+            key = todo.pop()
+            if key not in seen:
+                seen.add(key)
+                todo.extend(graph[key])
+        return seen
+
+    return {key for key in graph if key in reached(key)}
 
 
 def _topological(graph: dict[Any, set[Any]]) -> list[Any] | None:
