@@ -72,7 +72,7 @@ def main() -> None:
                 for index, label, schedule, backend in CANDIDATES:
                     if args.only and not any(f"k{index} {label}".find(o) >= 0 for o in args.only):
                         continue
-                    fn = kernels.steps[index][1]
+                    fn = kernels.steps[index][1].at("f16")  # case_inputs are fp16
                     assert isinstance(fn, Compiled)
                     saved = (fn.schedule, fn.options, dict(fn._cache), dict(fn._launchers))
                     row: dict[str, Any] = {"case": case, "seq": seq, "kernel": index, "candidate": label}

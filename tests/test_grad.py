@@ -515,6 +515,7 @@ def test_backward_kernels_sum_in_a_fixed_order(monkeypatch) -> None:
     every reduction is a loop of one program or a combine in a fixed order. Two steps give the
     same bits."""
     from neptune_fusion.integrations import autograd
+    from neptune_fusion.integrations.autograd import InProgramDtype
 
     made: list = []
     init = autograd.Kernels.__init__
@@ -537,7 +538,8 @@ def test_backward_kernels_sum_in_a_fixed_order(monkeypatch) -> None:
 
     first, second = step(), step()
     assert all(torch.equal(a, b) for a, b in zip(first, second))
-    sources = [launch.source for kernels in made for _, fn in kernels.steps if isinstance(fn, nf.Compiled)
+    sources = [launch.source for kernels in made for _, step in kernels.steps if isinstance(step, InProgramDtype)
+               for fn in step.by_dtype.values()
                for exe in fn._cache.values() for launch in (exe.main, exe.combine) if launch is not None]
     assert len(sources) >= 3 and not any("atomic" in s for s in sources)
 
@@ -788,3 +790,27 @@ def test_self_attention_from_model_code_backward_keeps_no_token_by_token_matrix(
     # then the weighted sum and the normaliser that read it
     statistics = [g for g in groups if any(backward.stage(r).reduce_op == "max" for r in g.results if ":" not in r)]
     assert [len(g.results) for g in statistics] == [3], [g.results for g in statistics]
+
+
+def test_a_backward_multiplies_in_the_forward_dtype() -> None:
+    """Every kernel of an fp16 backward takes fp16 dot operands, also one whose first inputs are
+    fp32 pools of earlier kernels (the projections the attention's scores recompute): fp32 dots there
+    ran without tensor cores. Gradients within fp16 error of torch's fp32 ones."""
+    from neptune_fusion.integrations.autograd import InProgramDtype
+
+    torch.manual_seed(0)
+    args = [torch.randn(24, 16)] + [torch.randn(16, 16) / 4 for _ in range(3)]
+    fn = nf.compile(_causal_self_attention)
+    leaves = [a.half().requires_grad_() for a in args]
+    seed = torch.randn(24, 16)
+    fn(*leaves).backward(seed.half())
+    want = [a.clone().requires_grad_() for a in args]
+    _causal_self_attention(*want).backward(seed)
+    assert_grads([a.grad.float() for a in leaves], [a.grad for a in want], tol=2e-2)
+    (derived,) = fn.training.values()
+    steps = [step for _, step in derived.backward.steps if isinstance(step, InProgramDtype)]
+    pools_first = [s for s in steps if s.program.inputs[0].name not in {"x", "wq", "wk", "wv", "grad_0"}]
+    assert pools_first and all(set(s.by_dtype) == {"f16"} for s in steps)
+    for step in steps:
+        (compiled,) = step.by_dtype.values()
+        assert {exe.record.compute_dtype for exe in compiled._cache.values() if exe.record is not None} == {"f16"}

@@ -28,6 +28,7 @@ from neptune_fusion.analysis.chains import chain_axis
 from neptune_fusion.integrations.ops import argument_kinds, is_eager, run_kernels
 from neptune_fusion.ir.errors import FusionError
 from neptune_fusion.ir.program import Program
+from neptune_fusion.lang.tensor import input_dtype_name
 from neptune_fusion.lang.trace import FixedProgram
 from neptune_fusion.runtime import compiled as _compiled
 from neptune_fusion.runtime.compiled import Compiled, install_allocator, length_params_of, lengths_of, output_specs
@@ -243,13 +244,18 @@ class Kernels:
     def __init__(self, program: Program, held: frozenset[str], allow_fallback: bool) -> None:
         self.program = program
         self.allow_fallback = allow_fallback
-        self.steps: list[tuple[Group, Compiled | Unfused | Chunked]] = []
+        self.steps: list[tuple[Group, InProgramDtype | Unfused | Chunked]] = []
         for group in partition_loops(program, held):
             sub = group.program
-            self.steps.append((group, Compiled(FixedProgram(sub), Auto(), allow_fallback) if chain_axis(sub)
-                               else Unfused(sub)))
+            self.steps.append((group, InProgramDtype(sub, allow_fallback) if chain_axis(sub) else Unfused(sub)))
         # lengths of axes a kernel reads none of its inputs along, passed to it as parameters
         self.length_params = length_params_of(program, [group.program for group, _ in self.steps])
+
+    def dtype(self, named: dict[str, Any]) -> str:
+        """The dtype the program multiplies in: its first float input's (the forward's dtype), for
+        every kernel, whatever fp32 pools of the earlier kernels it reads."""
+        return next((input_dtype_name(named[b.name].dtype) for b in self.program.inputs
+                     if isinstance(named.get(b.name), torch.Tensor) and named[b.name].is_floating_point()), "f32")
 
     def _with_lengths(self, named: dict[str, Any]) -> dict[str, Any]:
         return {**named, **lengths_of(self.program, self.length_params, named)} if self.length_params else named
@@ -261,11 +267,12 @@ class Kernels:
         sizes = axis_extents(self.program, named)
         pool = dict(named)
         failed: list[tuple[int, FusionError]] = []
+        dtype = self.dtype(named)
         for k, (group, fn) in enumerate(self.steps):
             args = _group_args(group, pool, named)
-            if isinstance(fn, Compiled):
+            if isinstance(fn, InProgramDtype):
                 try:
-                    fn.executable_for(group.program, args)
+                    fn.at(dtype).executable_for(group.program, args)
                 except FusionError as exc:
                     failed.append((k, exc))
             example = next(iter(named.values()))
@@ -302,12 +309,13 @@ class Kernels:
         named = self._with_lengths(named)
         pool = dict(named)
         outs: list[torch.Tensor | None] = [None] * len(self.program.outputs)
+        dtype = self.dtype(named)
         for group, fn in self.steps:
             if isinstance(fn, Chunked):
                 result: Any = fn(**{n: pool[n] for n in (*fn.inputs, *fn.params)})
             else:
                 args = _group_args(group, pool, named)
-                result = run_kernels(fn, args) if isinstance(fn, Compiled) else fn(**args)
+                result = run_kernels(fn.at(dtype), args) if isinstance(fn, InProgramDtype) else fn(**args)
             for name, value in zip(group.results, result if isinstance(result, tuple) else (result,)):
                 if name.startswith("output:"):
                     outs[int(name.split(":")[1])] = value
@@ -319,6 +327,22 @@ class Kernels:
                 else:
                     pool[name] = value
         return tuple(outs)  # type: ignore[arg-type]
+
+
+class InProgramDtype:
+    """One kernel of a larger program, compiled to multiply in that program's dtype (a backward's
+    kernel reads fp32 pools of the earlier ones; its dots take fp16 operands in an fp16 step, as
+    torch's own backward does): one `Compiled` per dtype."""
+
+    def __init__(self, program: Program, allow_fallback: bool) -> None:
+        self.program = program
+        self.allow_fallback = allow_fallback
+        self.by_dtype: dict[str, Compiled] = {}
+
+    def at(self, dtype: str) -> Compiled:
+        if dtype not in self.by_dtype:
+            self.by_dtype[dtype] = Compiled(FixedProgram(self.program), Auto(), self.allow_fallback, compute_dtype=dtype)
+        return self.by_dtype[dtype]
 
 
 def _group_args(group: Group, pool: dict[str, Any], named: dict[str, Any]) -> dict[str, Any]:

@@ -571,10 +571,13 @@ class Compiled:
     """
 
     def __init__(self, program: ProgramDef | Callable[..., Any], schedule: Schedule | None = None,
-                 allow_fallback: bool = False, options: Options | None = None) -> None:
+                 allow_fallback: bool = False, options: Options | None = None, compute_dtype: str | None = None) -> None:
         self.program_def = program if isinstance(program, ProgramDef) else ProgramDef(program)
         self.schedule = schedule or Auto()
         self.options = options  # the switches; None: read from the environment at each compile
+        # the dtype of the dots' operands at every call, for a kernel of a larger program (a
+        # backward's, reading fp32 pools); None: its first float input's
+        self.compute_dtype = compute_dtype
         self.allow_fallback = allow_fallback
         self._cache: dict[tuple[Any, ...], Executable] = {}
         self._scratch: dict[tuple[Any, ...], dict[str, torch.Tensor]] = {}
@@ -596,6 +599,7 @@ class Compiled:
         parts of a program cut into several kernels take the whole program's, so a part that reads
         only what an earlier part materialised in fp32 still multiplies in the program's dtype."""
         options = options or self.options or Options.from_environment()
+        compute_dtype = compute_dtype or self.compute_dtype
         interpreter = options.interpreter
         device = _check_tensors(program, args, interpreter)
         program = without_detach(program)
