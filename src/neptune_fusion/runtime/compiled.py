@@ -315,9 +315,8 @@ def _masks_of(fused: Program) -> MaskInfo:
         roles = _roles_of(fused)
         int_params = {p for p, k in fused.param_kinds.items() if k == "int"}
         int_buffers = frozenset(b.name for b in fused.inputs if b.kind != "float")
-        held = frozenset(roles.tile_axes) - {roles.row, roles.col}
         _MASKS[key] = analyze_masks(fused_loop_of(fused), roles.row, int_params, contribution_vanishes, int_buffers,
-                                    held)
+                                    roles.held)
     return _MASKS[key]
 
 

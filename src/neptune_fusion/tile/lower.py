@@ -70,6 +70,7 @@ from neptune_fusion.tile.ir import (
     TVal,
 )
 from neptune_fusion.transform.layout import UNIT_ROW, elementwise_row_axes
+from neptune_fusion.transform.normalize import product_of
 
 LOG2E = 1.4426950408889634
 BLOCK_MAP_PREFIX = "__blockmap_"
@@ -101,6 +102,11 @@ class AxisRoles:
     @property
     def tile_axes(self) -> tuple[str, ...]:
         return (self.row, self.col, *self.full, *self.epilogue)
+
+    @property
+    def held(self) -> frozenset[str]:
+        """The axes a tile holds besides the rows and the loop axis."""
+        return frozenset((*self.full, *self.epilogue))
 
 
 @dataclass
@@ -405,14 +411,8 @@ def _summed_product(node: Expr) -> tuple[Expr, Expr] | None:
         computed = [g for g in (first, second) if len(g) > 1 or not isinstance(_without_casts(factors[g[0]]), Load)]
         (computed[0] if computed else first).extend(rest)
 
-    def product(positions: list[int]) -> Expr:
-        first_position, *others = sorted(positions)
-        out = factors[first_position]
-        for i in others:
-            out = Binary("mul", out, factors[i])
-        return out
-
-    return product(first), product(second)
+    return (product_of([(factors[i], False) for i in sorted(first)]),
+            product_of([(factors[i], False) for i in sorted(second)]))
 
 
 def computed_operand_axes(members: tuple[Stage, ...]) -> list[str]:
@@ -497,7 +497,7 @@ class KernelBuilder:
         int_params = {p for p, k in program.param_kinds.items() if k == "int"}
         int_buffers = frozenset(b.name for b in program.inputs if b.kind != "float")
         self.masks: MaskInfo = analyze_masks(self.loop, self.roles.row, int_params, contribution_vanishes, int_buffers,
-                                             frozenset(self.roles.tile_axes) - {self.roles.row, self.roles.col})
+                                             self.roles.held)
 
     # --- values -----------------------------------------------------------------
     def fresh(self, prefix: str) -> str:

@@ -50,7 +50,6 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 from dataclasses import dataclass, field, replace
@@ -238,8 +237,7 @@ class _Reverse:
 
     def const_sizes(self) -> dict[str, int]:
         """The axes of a size fixed while tracing, with their sizes."""
-        return {a: int(d[1]) for a, d in {**self.program.derived_axes, **self.derived}.items()  # type: ignore[call-overload]
-                if d[0] == "const"}
+        return _const_sizes({**self.program.derived_axes, **self.derived})
 
     def renamed_apart(self, value: Expr, frame: tuple[str, ...], names: set[str]) -> tuple[Expr, tuple[str, ...]]:
         """`value` and `frame` with the frame axes in `names` renamed to fresh axes of their extent,
@@ -368,11 +366,10 @@ class _Reverse:
                 # product, and the guard keeps the partial's axes: the product stays a dot. A part
                 # of the condition over axes the partial lacks (the positions a chunk never read)
                 # guards the adjoint: 0 times the partial there, as torch's dense gradient computes
-                own = [c for c in disjuncts(zero) if free_axes(c) <= free_axes(d)]
-                other = [c for c in disjuncts(zero) if not free_axes(c) <= free_axes(d)]
-                guarded_d = _guard(_any_of(own), d) if own else d
-                guarded_up = _guard(_any_of(other), upstream) if other else upstream
-                contribution = simplify(_times(guarded_up, guarded_d))
+                parts = disjuncts(zero)
+                own = [c for c in parts if free_axes(c) <= free_axes(d)]
+                other = [c for c in parts if c not in own]
+                contribution = simplify(_times(_guarded(other, upstream), _guarded(own, d)))
             self.contribute(stage, load, contribution, frame)
 
     def plain(self, expr: Expr) -> bool:
@@ -855,6 +852,11 @@ def _group_index(component: Expr, frame: tuple[str, ...], taken: dict[str, Expr]
     return None
 
 
+def _const_sizes(derived: dict[str, tuple[str, object, object]]) -> dict[str, int]:
+    """The derived axes of a size fixed while tracing, with their sizes."""
+    return {a: int(d[1]) for a, d in derived.items() if d[0] == "const"}  # type: ignore[call-overload]
+
+
 def _times(a: Expr, b: Expr) -> Expr:
     return a if b == Const(1.0) else b if a == Const(1.0) else a * b
 
@@ -863,13 +865,14 @@ def _guard(zero: Expr, expr: Expr) -> Expr:
     """`where(zero, 0, expr)`, one where per disjunct of `zero`: a mask's condition and a row's
     (rows the forward left empty) stay apart, so the mask analysis sees the mask alone and the
     row's guard, which can skip no tile, stays arithmetic instead of making block maps per row."""
-    for part in reversed(disjuncts(zero)):
+    return _guarded(disjuncts(zero), expr)
+
+
+def _guarded(parts: list[Expr], expr: Expr) -> Expr:
+    """`expr` set to 0 wherever one of the conditions `parts` holds, one where each."""
+    for part in reversed(parts):
         expr = Where(part, Const(0.0), expr)
     return expr
-
-
-def _any_of(conditions: list[Expr]) -> Expr:
-    return functools.reduce(lambda a, b: Binary("or", a, b), conditions)
 
 
 def _and(a: Expr, b: Expr) -> Expr:
@@ -932,7 +935,7 @@ def _stabiliser_is_free(program: Program, stabiliser: Stage) -> bool:
     # each position of the stabiliser moves by its own epsilon: the position of it whose motion a
     # moving value follows, over that value's own axes
     follows: dict[str, tuple[Expr, ...]] = {stabiliser.name: tuple(map(Index, stabiliser.axes))}
-    sizes = {a: int(d[1]) for a, d in program.derived_axes.items() if d[0] == "const"}  # type: ignore[call-overload]
+    sizes = _const_sizes(program.derived_axes)
 
     def rate(load: Load) -> object:
         if load.buffer == stabiliser.name:
