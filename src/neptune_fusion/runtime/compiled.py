@@ -41,6 +41,7 @@ from neptune_fusion.ir.program import FusedLoop, Program
 from neptune_fusion.lang.tensor import input_dtype_name
 from neptune_fusion.lang.trace import ProgramDef
 from neptune_fusion.runtime.blockmap import block_map, block_map_axes
+from neptune_fusion.runtime.gemm import einsum_fp32
 from neptune_fusion.runtime.options import Options
 from neptune_fusion.runtime.reference import axis_extents, run_reference, torch_dtype
 from neptune_fusion.runtime.state import CALL_STATE
@@ -50,9 +51,11 @@ from neptune_fusion.schedule.partition import (
     Group,
     length_axes,
     narrow_materialised,
+    needed_stages,
     partition,
     split_at,
     split_to_fit,
+    subprogram,
 )
 from neptune_fusion.schedule.pipeline import SPLIT_AXIS, Step, combine_program, fuse, with_split_k
 from neptune_fusion.schedule.templates import Auto, Autotune, Flash, Schedule, SplitK
@@ -608,10 +611,14 @@ class Compiled:
             # a part of a program multiplies in the whole program's dtype (what its operand kernels
             # write, and what its direct operands must be), whatever it reads materialised in fp32
             dtype = main_dtype if compute_dtype is not None else gemm_dtype(program, args)
-            routed = library_contraction(program, axis_extents(program, args), dtype)
-            if isinstance(routed, LibraryContraction) and all(
-                    op.input is None or input_dtype_name(args[op.input].dtype) == dtype for op in routed.operands):
+            dtypes = input_dtypes(program, args)
+            routed = library_contraction(program, axis_extents(program, args), dtype, dtypes)
+            if isinstance(routed, LibraryContraction):
                 return self._library(program, routed, args, options)
+            apart = library_outputs_apart(program, axis_extents(program, args), dtype, dtypes)
+            if apart is not None:
+                return self._grouped(program, apart, args, device, options, main_dtype,
+                                     "an output the GEMM library computes runs apart from the others")
         groups = _partition_cached(program, long_axes(program, args), narrow_inputs(program, args))
         if len(groups) > 1:
             return self._grouped(program, groups, args, device, options, main_dtype)
@@ -914,9 +921,11 @@ class Compiled:
         view = [sizes[d] if d else 1 for d in spec.view] if spec.view is not None else None
         equation = plan.spec
 
+        contract = functools.partial(einsum_fp32 if plan.widened else torch.einsum, equation)
+
         def run(values: Sequence[Any]) -> Any:
             operands = [values[s] if isinstance(s, int) else s[0]([values[j] for j in s[1]]) for s in sources]
-            out = torch.einsum(equation, *operands)
+            out = contract(*operands)
             return out if view is None else out.view(view)
 
         return run
@@ -1172,6 +1181,47 @@ class Compiled:
 def arg_names(program: Program) -> list[str]:
     """A group program's arguments, by name: its inputs, then its scalar parameters."""
     return [b.name for b in program.inputs] + list(program.params)
+
+
+def input_dtypes(program: Program, args: dict[str, Any]) -> dict[str, str]:
+    """Each tensor input's dtype name."""
+    return {b.name: input_dtype_name(args[b.name].dtype) for b in program.inputs
+            if isinstance(args.get(b.name), torch.Tensor)}
+
+
+def library_outputs_apart(program: Program, sizes: dict[str, int], dtype: str,
+                          dtypes: dict[str, str]) -> list[Group] | None:
+    """A program of several outputs, one of which the GEMM library would compute alone (a
+    backward's weight gradient beside a norm's): that output as a group of its own after a group of
+    the others (each of which may part again), or None.
+
+    Example:
+        >>> import neptune_fusion as nf
+        >>> @nf.program
+        ... def matmul_and_sum(x, w):
+        ...     return x @ w, x.sum(axis=-1)
+        >>> x, w = torch.randn(8, 16).half(), torch.randn(16, 8).half()
+        >>> program = matmul_and_sum.trace(x, w)
+        >>> sizes = axis_extents(program, {"x": x, "w": w})
+        >>> [g.results for g in library_outputs_apart(program, sizes, "f16", {})]
+        [('output:1',), ('output:0',)]
+    """
+    if len(program.outputs) < 2:
+        return None
+    for j in range(len(program.outputs)):
+        alone = _outputs_program(program, [j])
+        if isinstance(library_contraction(alone, sizes, dtype, dtypes), LibraryContraction):
+            rest = [i for i in range(len(program.outputs)) if i != j]
+            return [Group(_outputs_program(program, rest), tuple(f"output:{i}" for i in rest)),
+                    Group(alone, (f"output:{j}",))]
+    return None
+
+
+def _outputs_program(program: Program, outputs: list[int]) -> Program:
+    """`program` computing only these of its outputs (the stages they need, the inputs those read)."""
+    specs = [program.outputs[j] for j in outputs]
+    stages = needed_stages(list(program.stages), {o.stage for o in specs})
+    return subprogram(program, f"{program.name}_out{'_'.join(map(str, outputs))}", stages, specs, [])
 
 
 def gemm_dtype(program: Program, args: dict[str, Any]) -> str:

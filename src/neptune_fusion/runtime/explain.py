@@ -28,31 +28,37 @@ import torch
 from neptune_fusion.ir.errors import FusionError
 from neptune_fusion.ir.printer import format_expr, format_program
 from neptune_fusion.ir.program import Program
+from neptune_fusion.lang.dtypes import output_dtypes
+from neptune_fusion.lang.tensor import input_dtype_name
 from neptune_fusion.lang.trace import ProgramDef
-from neptune_fusion.runtime.compiled import Compiled, arg_names, gemm_dtype, long_axes, narrow_inputs
+from neptune_fusion.runtime.compiled import Compiled, arg_names, gemm_dtype, input_dtypes, long_axes, narrow_inputs
 from neptune_fusion.runtime.reference import axis_extents
 from neptune_fusion.schedule.library import Declined, library_contraction
 from neptune_fusion.schedule.partition import Group, why_apart
 from neptune_fusion.schedule.templates import Schedule
 from neptune_fusion.tile.ir import format_tile_kernel
+from neptune_fusion.transform.grad import Gradient, grad_name
 
 
 def explain(program: ProgramDef | Program | Compiled | Callable[..., Any], *args: Any,
-            schedule: Schedule | None = None, backward: bool = False, **kwargs: Any) -> str:
+            schedule: Schedule | None = None, backward: bool = False, compute_dtype: str | None = None,
+            **kwargs: Any) -> str:
     """The input program, each fusion pass (with the derived repair terms), the tile program and Triton source.
 
     `program` is a `@nf.program`, a compiled function, or a traced `Program` (e.g. from
     `nf.attention_program`); arguments are passed as for a call (for a `Program`: its inputs,
     then its scalar parameters, in order, or by name). With `backward=True`, also the derived
     backward (with respect to the float tensor inputs that require grad, or all of them): what
-    the forward saves, the backward program, and each of its kernels explained the same way.
+    the forward saves, the backward program, and each of its kernels explained the same way, each
+    multiplying in the forward's dtype as it runs. `compute_dtype` (a traced `Program`'s): the dtype
+    its dots multiply in where not its first float input's.
     """
     if isinstance(program, Program):
         prog = program
         names = [b.name for b in prog.inputs] + list(prog.params)
         named = dict(zip(names, args))
         named.update(kwargs)
-        compiled = Compiled(lambda: None, schedule)
+        compiled = Compiled(lambda: None, schedule, compute_dtype=compute_dtype)
     else:
         compiled = program if isinstance(program, Compiled) else Compiled(program, schedule)
         named = dict(compiled.program_def.bind(*args, **kwargs))
@@ -75,7 +81,8 @@ def explain(program: ProgramDef | Program | Compiled | Callable[..., Any], *args
                 section(f"operand {j}: {operand.program.name}",
                         explain(operand.program, **{n: named[n] for n in arg_names(operand.program)}))
         return "\n".join(out)
-    declined = library_contraction(prog, axis_extents(prog, named), gemm_dtype(prog, named))
+    declined = library_contraction(prog, axis_extents(prog, named), compiled.compute_dtype or gemm_dtype(prog, named),
+                                   input_dtypes(prog, named))
     if isinstance(declined, Declined) and declined.estimated:
         section("library contraction (schedule/library.py)", f"not used: {declined.reason}")
     if exe.groups:
@@ -124,7 +131,10 @@ def _explain_backward(program: Program, named: dict[str, Any], schedule: Schedul
            f"saved by the forward: {list(gradient.saved)}; recovered from outputs: {list(gradient.recovered)}",
            f"stabilisers proved gradient-free: {list(gradient.free_stabilisers)}; held axes: {sorted(gradient.held)}",
            "", format_program(gradient.backward), ""]
-    stand_ins = _stand_ins(gradient.backward, named, sizes_of=program)
+    stand_ins = _stand_ins(gradient, named, sizes_of=program)
+    # every kernel multiplies in the forward's dtype (integrations/autograd.py `Kernels.dtype`)
+    dtype = next((input_dtype_name(named[b.name].dtype) for b in gradient.backward.inputs
+                  if isinstance(named.get(b.name), torch.Tensor) and named[b.name].is_floating_point()), "f32")
     sizes = axis_extents(gradient.backward, {**named, **stand_ins})
     unplanned: list[tuple[Group, FusionError]] = []
     for i, group in enumerate(partition_loops(gradient.backward, gradient.held)):
@@ -139,7 +149,7 @@ def _explain_backward(program: Program, named: dict[str, Any], schedule: Schedul
             out.append("(no reduction: torch's element-wise kernels run it)\n" + format_program(group.program))
             continue
         try:
-            out.append(explain(group.program, **args, schedule=None))
+            out.append(explain(group.program, **args, schedule=None, compute_dtype=dtype))
         except FusionError as exc:
             out.append(f"(no kernel plan computes it: {exc})")
             unplanned.append((group, exc))
@@ -148,15 +158,19 @@ def _explain_backward(program: Program, named: dict[str, Any], schedule: Schedul
     return "\n".join(out)
 
 
-def _stand_ins(backward: Program, named: dict[str, Any], sizes_of: Program) -> dict[str, Any]:
-    """Random fp32 tensors for the backward's inputs the call does not have (saved statistics,
-    output gradients, other kernels' results), shaped by the forward's axis sizes."""
+def _stand_ins(gradient: Gradient, named: dict[str, Any], sizes_of: Program) -> dict[str, Any]:
+    """Random tensors for the backward's inputs the call does not have, shaped by the forward's
+    axis sizes: the outputs and their gradients in the outputs' dtypes, the saved statistics (and
+    other kernels' results) in fp32, as the training call passes them."""
 
     sizes = axis_extents(sizes_of, named)
     example = next(v for v in named.values() if isinstance(v, torch.Tensor) and v.is_floating_point())
+    out_dtypes = output_dtypes(sizes_of, named)
+    dtypes = {**{grad_name(i): out_dtypes[i] for i in gradient.grads_read},
+              **{sizes_of.outputs[i].stage: out_dtypes[i] for i in gradient.outputs_read}}
     return {b.name: torch.randn([sizes.get(a, 1) if a else 1 for a in b.dims], device=example.device,
-                                dtype=torch.float32)
-            for b in backward.inputs if b.name not in named}
+                                dtype=dtypes.get(b.name, torch.float32))
+            for b in gradient.backward.inputs if b.name not in named}
 
 
 def _explain_chunked(groups: list[Group], sizes: dict[str, int], args: dict[str, Any]) -> str:

@@ -7,11 +7,14 @@ dtype, by a kernel of its own (its program: a normalised `x` is a row reduction 
 a gated `silu(a) * b` an element-wise pass),
 then `torch.einsum` of the two, which cuBLAS computes. The fused K-loop kernel computes the
 operand at every K-step instead and saves that traffic, but reaches a smaller share of the tensor
-cores than cuBLAS. The choice is the estimate of the two: the GEMM's FLOPs at cuBLAS's rate plus
-the written operands' bytes (written, then read) at HBM's, against the FLOPs at the K-loop's share
-of that rate. Each written element serves one product per output column of its side, so the library
-wins where that side is long (about 2600 columns on the H200: a model's width after a
-normalisation, not attention's head dim). The written operands may take at most the memory of the
+cores than cuBLAS, and loads the operand's sources again for every tile of output columns. The
+choice is the estimate of the two: the GEMM's FLOPs at cuBLAS's rate plus the writer's traffic (its
+sources read, the operand written) at HBM's, against the larger of the FLOPs at the K-loop's share
+of that rate and the sources' bytes loaded once per column tile. A normalised `x` read in the GEMM's
+dtype costs the writer what it saves, so the library wins where the other side is long (about 2600
+columns on the H200: a model's width after a normalisation, not attention's head dim); sources wider
+than the operand or read at several places (a backward's fp32 results, gathered at two offsets) tip
+it at any width. The written operands may take at most the memory of the
 output or of the inputs they are computed from (the fused kernel holds none).
 
 Example:
@@ -30,9 +33,10 @@ from __future__ import annotations
 import itertools
 import math
 import string
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from neptune_fusion.ir.expr import Binary, Cast, Const, Expr, Index, Load, Reduce, free_axes, product_factors
+from neptune_fusion.ir.expr import Binary, Cast, Const, Expr, Index, Load, Reduce, free_axes, product_factors, walk
 from neptune_fusion.ir.program import InputBuffer, OutputSpec, Program, Stage
 from neptune_fusion.schedule.partition import length_axes, needed_stages, subprogram
 
@@ -42,7 +46,11 @@ PASS = "library"
 LIBRARY_GEMM_FLOPS = 780e12
 K_LOOP_SHARE = 0.87
 HBM_BYTES_PER_S = 4.0e12
+# the widest tile of output columns a K-loop plan holds beside its rows (schedule/tiles.py's
+# accumulator of 128 x 256 values): the fewest times it recomputes an operand
+K_LOOP_TILE_COLUMNS = 256
 GEMM_DTYPES = {"f16": 2, "bf16": 2}  # the dtypes cuBLAS multiplies at full tensor-core rate, their sizes
+ITEM_BYTES = {**GEMM_DTYPES, "f32": 4, "i32": 4, "i64": 8, "bool": 1, "i8": 1, "u8": 1, "i16": 2}
 
 
 @dataclass(frozen=True)
@@ -57,14 +65,16 @@ class Operand:
 
 @dataclass(frozen=True)
 class LibraryContraction:
-    """The plan: `torch.einsum(spec, *operands)` computes the output stage `stage` (returned in
-    the shape `view`, its axes where None); the estimates (seconds) behind the choice."""
+    """The plan: `torch.einsum(spec, *operands)` computes the output stage `stage`; `widened`:
+    the program writes it in fp32 for a later kernel (a backward's partial result), so the GEMM
+    returns its fp32 accumulator unrounded; the estimates (seconds) behind the choice."""
 
     stage: str
     spec: str
     operands: tuple[Operand, Operand]
     library_s: float
     fused_s: float
+    widened: bool = False
 
     def describe(self) -> str:
         """What `explain` prints."""
@@ -85,8 +95,11 @@ class Declined:
     estimated: bool = False
 
 
-def library_contraction(program: Program, sizes: dict[str, int], dtype: str) -> LibraryContraction | Declined:
-    """The library plan of `program` at these axis sizes and input dtype, or why not."""
+def library_contraction(program: Program, sizes: dict[str, int], dtype: str,
+                        input_dtypes: Mapping[str, str] | None = None) -> LibraryContraction | Declined:
+    """The library plan of `program` at these axis sizes and GEMM dtype, or why not;
+    `input_dtypes`: each input's dtype where it differs from `dtype` (an fp32 result of an
+    earlier kernel is an operand a kernel writes in `dtype`, not one cuBLAS reads as it is)."""
     if len(program.outputs) != 1:
         return Declined(f"the program has {len(program.outputs)} outputs, not one")
     if not all(isinstance(st, Stage) for st in program.stages):
@@ -94,10 +107,13 @@ def library_contraction(program: Program, sizes: dict[str, int], dtype: str) -> 
     out = program.outputs[0]
     stage = program.stage(out.stage)
     body = stage.body
-    if isinstance(body, Cast) and body.dtype == dtype and isinstance(body.x, Load) \
+    widened = False
+    if isinstance(body, Cast) and body.dtype in (dtype, "f32") and isinstance(body.x, Load) \
             and body.x.index == tuple(Index(a) for a in stage.axes) \
             and any(st.name == body.x.buffer and st.axes == stage.axes for st in program.stages):
-        # a reduction written in the inputs' dtype for a later kernel: what the library returns
+        # a reduction written for a later kernel, in the inputs' dtype (what the library returns)
+        # or in fp32 (its accumulator, unrounded)
+        widened = body.dtype != dtype
         stage = program.stage(body.x.buffer)
         body = stage.body
     if not (isinstance(body, Reduce) and body.op == "sum"):
@@ -113,7 +129,8 @@ def library_contraction(program: Program, sizes: dict[str, int], dtype: str) -> 
                         f"that both index {body.axis!r}")
     inputs = {b.name: b for b in program.inputs}
     sides = [split[0], split[1]]
-    direct = [_direct_input(side, inputs) for side in sides]
+    input_dtypes = input_dtypes or {}
+    direct = [_direct_input(side, inputs, input_dtypes, dtype) for side in sides]
     home = None  # the side the loose factors and the constant join: one written anyway, else the smaller
     if split[2] or scale != 1.0:
         written_sides = [j for j in (0, 1) if direct[j] is None]
@@ -159,14 +176,22 @@ def library_contraction(program: Program, sizes: dict[str, int], dtype: str) -> 
     if written > allowed:
         return Declined(f"the written operands ({written} elements) would take more memory than the output "
                         f"and the inputs they are computed from ({allowed})", estimated=True)
-    written_bytes = written * GEMM_DTYPES[dtype]
-    library_s = flops / LIBRARY_GEMM_FLOPS + 2 * written_bytes / HBM_BYTES_PER_S
-    fused_s = flops / (LIBRARY_GEMM_FLOPS * K_LOOP_SHARE)
+    writer_bytes = reread_bytes = 0.0
+    for j, op in enumerate(operands):
+        if op.program is None:
+            continue
+        loaded = _loaded_bytes(op.program, sizes, input_dtypes, dtype)
+        writer_bytes += loaded + _elements(op.axes, sizes) * GEMM_DTYPES[dtype]
+        # the fused kernel computes this side again for every tile of the other side's columns
+        columns = _elements(tuple(a for a in operands[1 - j].axes if a in stage.axes and a not in op.axes), sizes)
+        reread_bytes += math.ceil(columns / K_LOOP_TILE_COLUMNS) * loaded
+    library_s = flops / LIBRARY_GEMM_FLOPS + writer_bytes / HBM_BYTES_PER_S
+    fused_s = max(flops / (LIBRARY_GEMM_FLOPS * K_LOOP_SHARE), reread_bytes / HBM_BYTES_PER_S)
     if library_s >= fused_s:
         return Declined(f"the fused K-loop is estimated faster ({fused_s * 1e6:.3g} us) than writing the operands "
                         f"for cuBLAS ({library_s * 1e6:.3g} us)", estimated=True)
     return LibraryContraction(stage.name, _spec([operands[0].axes, operands[1].axes], stage.axes),
-                              (operands[0], operands[1]), library_s, fused_s)
+                              (operands[0], operands[1]), library_s, fused_s, widened)
 
 
 def _sides(factors: list[Expr], out_axes: tuple[str, ...], k: str
@@ -194,6 +219,16 @@ def _sides(factors: list[Expr], out_axes: tuple[str, ...], k: str
     return None
 
 
+def _loaded_bytes(program: Program, sizes: dict[str, int], input_dtypes: Mapping[str, str], dtype: str) -> float:
+    """Bytes a kernel computing `program` loads from its inputs: each distinct load once per
+    element of the axes its index reads (a gather at two offsets loads twice)."""
+    inputs = {b.name for b in program.inputs}
+    loads = {node for st in program.stages for node in walk(st.body)
+             if isinstance(node, Load) and node.buffer in inputs}
+    return float(sum(math.prod(sizes.get(a, 1) for a in set().union(*(free_axes(i) for i in load.index)))
+                     * ITEM_BYTES.get(input_dtypes.get(load.buffer, dtype), 4) for load in loads))
+
+
 def _unsized_axes(program: Program) -> set[str]:
     """Axes of `program`'s stages whose size none of its inputs gives."""
     used = set()
@@ -214,15 +249,18 @@ def _side_axes(side: tuple[Expr, ...], k: str, out_axes: tuple[str, ...]) -> tup
     return tuple(a for a in out_axes if a in indexed) + (k,)
 
 
-def _direct_input(side: tuple[Expr, ...], inputs: dict[str, InputBuffer]) -> tuple[str, tuple[str, ...]] | None:
-    """(input, its axes) where the side is one input read at its own axes, as the tensor stands."""
+def _direct_input(side: tuple[Expr, ...], inputs: dict[str, InputBuffer], input_dtypes: Mapping[str, str],
+                  dtype: str) -> tuple[str, tuple[str, ...]] | None:
+    """(input, its axes) where the side is one input of the GEMM's dtype read at its own axes, as
+    the tensor stands."""
     if len(side) != 1:
         return None
     (load,) = side
     if not (isinstance(load, Load) and load.buffer in inputs and all(isinstance(i, Index) for i in load.index)):
         return None
     axes = tuple(i.axis for i in load.index)  # type: ignore[attr-defined]
-    if len(set(axes)) != len(axes) or tuple(inputs[load.buffer].dims) != axes or inputs[load.buffer].kind != "float":
+    if len(set(axes)) != len(axes) or tuple(inputs[load.buffer].dims) != axes or inputs[load.buffer].kind != "float" \
+            or input_dtypes.get(load.buffer, dtype) != dtype:
         return None
     return load.buffer, axes
 
