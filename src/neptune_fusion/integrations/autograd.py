@@ -27,12 +27,13 @@ import torch
 from neptune_fusion.analysis.chains import chain_axis
 from neptune_fusion.integrations.ops import argument_kinds, is_eager, run_kernels
 from neptune_fusion.ir.errors import FusionError
+from neptune_fusion.ir.expr import Cast
 from neptune_fusion.ir.program import Program
 from neptune_fusion.lang.tensor import input_dtype_name
 from neptune_fusion.lang.trace import FixedProgram
 from neptune_fusion.runtime import compiled as _compiled
 from neptune_fusion.runtime.compiled import Compiled, install_allocator, length_params_of, lengths_of, output_specs
-from neptune_fusion.runtime.reference import axis_extents, run_reference
+from neptune_fusion.runtime.reference import axis_extents, run_reference, torch_dtype
 from neptune_fusion.runtime.state import in_cudagraph_tree, object_of, private_state, static_shape
 from neptune_fusion.schedule.materialise import (
     Contraction,
@@ -45,9 +46,9 @@ from neptune_fusion.schedule.materialise import (
     chunk_length,
     materialise,
 )
-from neptune_fusion.schedule.partition import Group, partition_loops
+from neptune_fusion.schedule.partition import Group, narrow_materialised, partition_loops
 from neptune_fusion.schedule.templates import Auto
-from neptune_fusion.transform.grad import Gradient, differentiate, grad_name
+from neptune_fusion.transform.grad import Gradient, differentiate, grad_name, saves_by_size
 
 __all__ = ["Derived", "Kernels", "call_with_grad", "contract_into", "derived_for", "handle_for", "train_forward",
            "training_handle"]
@@ -236,6 +237,8 @@ def contract_into(spec: str, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor
             out.mul_(scale)
 
 
+NARROW_DTYPES = ("f16", "bf16")  # a step's dtypes whose dots take 16-bit operands
+
 class Kernels:
     """A program of several loops (a backward pass) as the kernels `partition_loops` cuts it into,
     run in order; what one kernel materialises, the later ones read. Groups whose kernels cannot be
@@ -245,9 +248,13 @@ class Kernels:
         self.program = program
         self.allow_fallback = allow_fallback
         self.steps: list[tuple[Group, InProgramDtype | Unfused | Chunked]] = []
-        for group in partition_loops(program, held):
+        groups = partition_loops(program, held)
+        # in a 16-bit step, what later kernels read only as a dot's operand is written in that dtype
+        narrowed = {dtype: narrow_materialised(groups, dtype) for dtype in NARROW_DTYPES}
+        for k, group in enumerate(groups):
             sub = group.program
-            self.steps.append((group, InProgramDtype(sub, allow_fallback) if chain_axis(sub) else Unfused(sub)))
+            self.steps.append((group, InProgramDtype(sub, allow_fallback, {d: narrowed[d][k].program for d in narrowed})
+                               if chain_axis(sub) else Unfused(sub)))
         # lengths of axes a kernel reads none of its inputs along, passed to it as parameters
         self.length_params = length_params_of(program, [group.program for group, _ in self.steps])
 
@@ -276,10 +283,11 @@ class Kernels:
                 except FusionError as exc:
                     failed.append((k, exc))
             example = next(iter(named.values()))
+            written = fn.result_dtypes(group, dtype) if isinstance(fn, InProgramDtype) else {}
             for name in group.results:
                 if not name.startswith("output:"):
                     shape = [sizes[a] for a in self.program.stage(name).axes]
-                    pool[name] = torch.empty(shape, dtype=torch.float32, device=example.device)
+                    pool[name] = torch.empty(shape, dtype=written.get(name, torch.float32), device=example.device)
         if failed:
             self._chunk([k for k, _ in failed], sizes, named, failed[0][1])
 
@@ -316,14 +324,16 @@ class Kernels:
             else:
                 args = _group_args(group, pool, named)
                 result = run_kernels(fn.at(dtype), args) if isinstance(fn, InProgramDtype) else fn(**args)
+            written = fn.result_dtypes(group, dtype) if isinstance(fn, InProgramDtype) else {}
             for name, value in zip(group.results, result if isinstance(result, tuple) else (result,)):
                 if name.startswith("output:"):
                     outs[int(name.split(":")[1])] = value
-                elif value.dtype != torch.float32 or not value.is_contiguous():
-                    # the later kernels were compiled for contiguous fp32 (`prepare`): their strides are fixed
+                elif value.dtype != written.get(name, torch.float32) or not value.is_contiguous():
+                    # the later kernels were compiled for contiguous tensors of that dtype (`prepare`):
+                    # their strides are fixed
                     raise RuntimeError(f"internal error: the backward's kernel {group.program.name} wrote {name!r} "
-                                       f"as {value.dtype} with strides {value.stride()}, not contiguous float32; "
-                                       "please report it")
+                                       f"as {value.dtype} with strides {value.stride()}, not contiguous "
+                                       f"{written.get(name, torch.float32)}; please report it")
                 else:
                     pool[name] = value
         return tuple(outs)  # type: ignore[arg-type]
@@ -334,15 +344,24 @@ class InProgramDtype:
     kernel reads fp32 pools of the earlier ones; its dots take fp16 operands in an fp16 step, as
     torch's own backward does): one `Compiled` per dtype."""
 
-    def __init__(self, program: Program, allow_fallback: bool) -> None:
+    def __init__(self, program: Program, allow_fallback: bool, narrowed: dict[str, Program] | None = None) -> None:
         self.program = program
         self.allow_fallback = allow_fallback
+        self.narrowed = narrowed or {}  # by dtype: the program writing some results in it (`narrow_materialised`)
         self.by_dtype: dict[str, Compiled] = {}
 
     def at(self, dtype: str) -> Compiled:
         if dtype not in self.by_dtype:
-            self.by_dtype[dtype] = Compiled(FixedProgram(self.program), Auto(), self.allow_fallback, compute_dtype=dtype)
+            self.by_dtype[dtype] = Compiled(FixedProgram(self.narrowed.get(dtype, self.program)), Auto(),
+                                            self.allow_fallback, compute_dtype=dtype)
         return self.by_dtype[dtype]
+
+    def result_dtypes(self, group: Group, dtype: str) -> dict[str, torch.dtype]:
+        """The dtype of each result the kernel writes for later ones, in a step of `dtype`."""
+        program = self.narrowed.get(dtype, self.program)
+        bodies = [program.stage(o.stage).body for o in program.outputs]
+        return {name: torch_dtype(body.dtype) if isinstance(body, Cast) else torch.float32
+                for name, body in zip(group.results, bodies)}
 
 
 def _group_args(group: Group, pool: dict[str, Any], named: dict[str, Any]) -> dict[str, Any]:
@@ -364,12 +383,16 @@ class Derived:
         return self.gradient.forward
 
 
-def derived_for(fn: Compiled, program: Program, wrt: tuple[str, ...]) -> Derived:
-    """The derived backward of `program` (traced from `fn`) with respect to `wrt`, compiled once."""
-    key = (program.fingerprint(), wrt)
+def derived_for(fn: Compiled, program: Program, wrt: tuple[str, ...], sizes: dict[str, int] | None = None,
+                dtype: str = "f32") -> Derived:
+    """The derived backward of `program` (traced from `fn`) with respect to `wrt`, compiled once
+    for each set of reductions the call's axis `sizes` make the forward save (in the call's
+    `dtype`)."""
+    by_size = saves_by_size(program, sizes)
+    key = (program.fingerprint(), wrt, by_size, dtype if by_size else "f32")
     found = fn.training.get(key)
     if found is None:
-        gradient = differentiate(program, wrt)
+        gradient = differentiate(program, wrt, sizes, dtype)
         found = Derived(gradient, Compiled(FixedProgram(gradient.forward, fn.program_def.promotes_outputs), fn.schedule,
                                            fn.allow_fallback),
                         Kernels(gradient.backward, gradient.held, fn.allow_fallback))
@@ -410,7 +433,9 @@ def training_handle(fn_id: int, names: tuple[str, ...], kinds: tuple[str, ...], 
         values = iter(numbers)
         named = {n: next(examples) if k == "tensor" else next(values) for n, k in zip(names, kinds)}
         program = fn.program_def.trace(**named)
-        _entries.append(_Entry(derived_for(fn, program, wrt), names, kinds))
+        dtype = next((input_dtype_name(t.dtype) for t in named.values()
+                      if isinstance(t, torch.Tensor) and t.is_floating_point()), "f32")
+        _entries.append(_Entry(derived_for(fn, program, wrt, axis_extents(program, named), dtype), names, kinds))
         fn.training_handles[key] = len(_entries) - 1
     return fn.training_handles[key]
 

@@ -26,13 +26,22 @@ from typing import Any, Callable
 import torch
 
 from neptune_fusion.ir.errors import FusionError
+from neptune_fusion.ir.expr import Cast
 from neptune_fusion.ir.printer import format_expr, format_program
 from neptune_fusion.ir.program import Program
 from neptune_fusion.lang.dtypes import output_dtypes
 from neptune_fusion.lang.tensor import input_dtype_name
 from neptune_fusion.lang.trace import ProgramDef
-from neptune_fusion.runtime.compiled import Compiled, arg_names, gemm_dtype, input_dtypes, long_axes, narrow_inputs
-from neptune_fusion.runtime.reference import axis_extents
+from neptune_fusion.runtime.compiled import (
+    Compiled,
+    Executable,
+    arg_names,
+    gemm_dtype,
+    input_dtypes,
+    long_axes,
+    narrow_inputs,
+)
+from neptune_fusion.runtime.reference import axis_extents, torch_dtype
 from neptune_fusion.schedule.library import Declined, library_contraction
 from neptune_fusion.schedule.partition import Group, why_apart
 from neptune_fusion.schedule.templates import Schedule
@@ -91,6 +100,12 @@ def explain(program: ProgramDef | Program | Compiled | Callable[..., Any], *args
     for i, step in enumerate(exe.steps):
         section(f"{i}. {step.name}", format_program(step.program))
     plan = exe.plan
+    if exe.groups and exe.groups[0][1].main is None:  # the first kernel is a GEMM of the library's
+        group, first = exe.groups[0]
+        for title, body in _part_sections(f"kernel 1 of {len(exe.groups)} ({group.program.name})", first):
+            section(title, body)
+        _later_kernels(exe, section)
+        return "\n".join(out)
     assert plan is not None and exe.main is not None
     section("schedule", f"template {plan.template}: block_row={plan.block_row} block_col={plan.block_col} "
                         f"num_warps={plan.num_warps} num_stages={plan.num_stages} splits={plan.splits} "
@@ -107,42 +122,71 @@ def explain(program: ProgramDef | Program | Compiled | Callable[..., Any], *args
             section("combine Triton source", exe.combine.source)
         else:
             section("combine", "called by the main kernel's last program per row tile (see the Triton source above)")
-    for k, (group, part) in enumerate(exe.groups[1:], start=2):
-        title = f"kernel {k} of {len(exe.groups)} ({group.program.name})"
-        for kernel in (part.main, part.combine):
-            if kernel is not None:
-                section(f"{title}: tile program", format_tile_kernel(kernel.tile))
-                section(f"{title}: Triton source", kernel.source)
+    _later_kernels(exe, section)
     return "\n".join(out)
+
+
+def _later_kernels(exe: Executable, section: Callable[[str, str], None]) -> None:
+    """The tile programs and sources of a grouped program's kernels after the first."""
+    for k, (group, part) in enumerate(exe.groups[1:], start=2):
+        for title, body in _part_sections(f"kernel {k} of {len(exe.groups)} ({group.program.name})", part):
+            section(title, body)
+
+
+def _part_sections(title: str, part: Executable) -> list[tuple[str, str]]:
+    """(title, body) of one kernel of a grouped program: its tile programs and sources, or the
+    GEMM the library runs and its operand writers' (themselves possibly grouped)."""
+    if part.library is not None:
+        found = [(f"{title}: library contraction", part.library.plan.describe())]
+        for j, writer in enumerate(part.library.operands):
+            if writer is not None:
+                found += _part_sections(f"{title}: operand {j}", writer)
+        return found
+    found = []
+    for kernel in (part.main, part.combine):
+        if kernel is not None:
+            found += [(f"{title}: tile program", format_tile_kernel(kernel.tile)),
+                      (f"{title}: {'Gluon' if kernel.backend == 'gluon' else 'Triton'} source", kernel.source)]
+    for k, (group, inner) in enumerate(part.groups[1:], start=2):
+        found += _part_sections(f"{title}, part {k} ({group.program.name})", inner)
+    return found
 
 
 def _explain_backward(program: Program, named: dict[str, Any], schedule: Schedule | None, forward: str) -> str:
     """The forward's explanation, then the derived backward: its record, program and kernels."""
 
     from neptune_fusion.analysis.chains import chain_axis
-    from neptune_fusion.schedule.partition import partition_loops
+    from neptune_fusion.schedule.partition import narrow_materialised, partition_loops
     from neptune_fusion.transform.grad import differentiate
 
     floats = [b.name for b in program.inputs if b.kind == "float" and named[b.name].is_floating_point()]
     wrt = tuple(n for n in floats if named[n].requires_grad) or tuple(floats)
-    gradient = differentiate(program, wrt)
+    # every kernel multiplies in the forward's dtype (integrations/autograd.py `Kernels.dtype`)
+    dtype = next((input_dtype_name(named[b.name].dtype) for b in program.inputs
+                  if isinstance(named.get(b.name), torch.Tensor) and named[b.name].is_floating_point()), "f32")
+    gradient = differentiate(program, wrt, axis_extents(program, named), dtype)
     out = [forward, "=== derived backward ===",
            f"with respect to {list(wrt)}; zero by structure: {sorted(set(wrt) - set(gradient.nonzero))}",
            f"saved by the forward: {list(gradient.saved)}; recovered from outputs: {list(gradient.recovered)}",
            f"stabilisers proved gradient-free: {list(gradient.free_stabilisers)}; held axes: {sorted(gradient.held)}",
            "", format_program(gradient.backward), ""]
     stand_ins = _stand_ins(gradient, named, sizes_of=program)
-    # every kernel multiplies in the forward's dtype (integrations/autograd.py `Kernels.dtype`)
-    dtype = next((input_dtype_name(named[b.name].dtype) for b in gradient.backward.inputs
-                  if isinstance(named.get(b.name), torch.Tensor) and named[b.name].is_floating_point()), "f32")
     sizes = axis_extents(gradient.backward, {**named, **stand_ins})
     unplanned: list[tuple[Group, FusionError]] = []
-    for i, group in enumerate(partition_loops(gradient.backward, gradient.held)):
+    groups = partition_loops(gradient.backward, gradient.held)
+    if dtype in ("f16", "bf16"):  # what later kernels read only as a dot's operand is written in the step's dtype
+        groups = narrow_materialised(groups, dtype)
+    written: dict[str, torch.dtype] = {}
+    for i, group in enumerate(groups):
         args: dict[str, Any] = {p: named[p] for p in group.program.params}
         for b in group.program.inputs:  # an earlier kernel's result (the row statistic D) stands in too
             if b.name not in named and b.name not in stand_ins:
-                stand_ins[b.name] = torch.randn([sizes[a] if a else 1 for a in b.dims], dtype=torch.float32,
+                stand_ins[b.name] = torch.randn([sizes[a] if a else 1 for a in b.dims],
+                                                dtype=written.get(b.name, torch.float32),
                                                 device=next(iter(stand_ins.values())).device)
+        bodies = [group.program.stage(o.stage).body for o in group.program.outputs]
+        written.update({r: torch_dtype(body.dtype) if isinstance(body, Cast) else torch.float32
+                        for r, body in zip(group.results, bodies)})
         args.update({b.name: named[b.name] if b.name in named else stand_ins[b.name] for b in group.program.inputs})
         out.append(f"=== backward kernel {i}: {group.program.name} (results {list(group.results)}) ===")
         if chain_axis(group.program) is None:  # what integrations/autograd.py runs unfused
@@ -160,14 +204,18 @@ def _explain_backward(program: Program, named: dict[str, Any], schedule: Schedul
 
 def _stand_ins(gradient: Gradient, named: dict[str, Any], sizes_of: Program) -> dict[str, Any]:
     """Random tensors for the backward's inputs the call does not have, shaped by the forward's
-    axis sizes: the outputs and their gradients in the outputs' dtypes, the saved statistics (and
-    other kernels' results) in fp32, as the training call passes them."""
+    axis sizes: the outputs and their gradients in the outputs' dtypes, the saved values in the
+    dtypes the forward writes them (other kernels' results in fp32), as the training call passes them."""
 
     sizes = axis_extents(sizes_of, named)
     example = next(v for v in named.values() if isinstance(v, torch.Tensor) and v.is_floating_point())
     out_dtypes = output_dtypes(sizes_of, named)
+    forward = gradient.forward
+    saved = forward.outputs[len(forward.outputs) - len(gradient.saved):]
     dtypes = {**{grad_name(i): out_dtypes[i] for i in gradient.grads_read},
-              **{sizes_of.outputs[i].stage: out_dtypes[i] for i in gradient.outputs_read}}
+              **{sizes_of.outputs[i].stage: out_dtypes[i] for i in gradient.outputs_read},
+              **{name: torch_dtype(body.dtype) for name, o in zip(gradient.saved, saved)
+                 if isinstance(body := forward.stage(o.stage).body, Cast)}}
     return {b.name: torch.randn([sizes.get(a, 1) if a else 1 for a in b.dims], device=example.device,
                                 dtype=dtypes.get(b.name, torch.float32))
             for b in gradient.backward.inputs if b.name not in named}

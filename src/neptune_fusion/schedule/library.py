@@ -144,12 +144,14 @@ def library_contraction(program: Program, sizes: dict[str, int], dtype: str,
         if found is not None:
             operands.append(Operand(found[1], input=found[0]))
             continue
-        axes = _side_axes(sides[j], body.axis, stage.axes)
         name = f"{stage.name}_operand{j}"
         # written in the GEMM's dtype whatever else the writer reads (an fp32 statistic)
         expr = Cast(_product(sides[j], scale if j == home else 1.0), dtype)
-        stages = needed_stages([st for st in program.stages if st.name != stage.name] + [Stage(name, axes, expr)],
-                               {name})
+        others = [st for st in program.stages if st.name != stage.name]
+        read = {n.buffer for n in walk(expr) if isinstance(n, Load)}
+        axes = _source_order(_side_axes(sides[j], body.axis, stage.axes), [*needed_stages(others, read), expr],
+                             inputs, sizes, input_dtypes, dtype)
+        stages = needed_stages(others + [Stage(name, axes, expr)], {name})
         writer = subprogram(program, f"{program.name}_operand{j}", stages, [OutputSpec(name, axes)], [])
         # an axis only an input it does not read gives the size of (a position k sized by w): that
         # input comes along for its size
@@ -247,6 +249,23 @@ def _side_axes(side: tuple[Expr, ...], k: str, out_axes: tuple[str, ...]) -> tup
     """A written operand's axes: its output axes in the output's order, then k (contiguous)."""
     indexed = set().union(*(free_axes(f) for f in side))
     return tuple(a for a in out_axes if a in indexed) + (k,)
+
+
+def _source_order(axes: tuple[str, ...], computed: list[Stage | Expr], inputs: dict[str, InputBuffer],
+                  sizes: dict[str, int], input_dtypes: Mapping[str, str], dtype: str) -> tuple[str, ...]:
+    """A written operand's axes in the order its largest source holds them (the writer's stores then
+    run along that load's contiguous dim; cuBLAS reads an operand of either order): a gradient
+    `g[tokens, hidden]` summed over tokens is written [tokens, hidden], not transposed."""
+    loads = list(dict.fromkeys(node for item in computed for node in walk(item if isinstance(item, Expr) else item.body)
+                               if isinstance(node, Load) and node.buffer in inputs
+                               and not (isinstance(item, Stage) and isinstance(item.body, Reduce))))
+    dims = [[a for i in load.index for a in sorted(free_axes(i)) if a in axes] for load in loads]
+    sized = [(math.prod(sizes.get(a, 1) for a in set(d)) * ITEM_BYTES.get(input_dtypes.get(load.buffer, dtype), 4), d)
+             for load, d in zip(loads, dims) if set(d) == set(axes)]
+    if not sized:
+        return axes
+    # the first of the largest, in the order the program reads them (the same plan in every process)
+    return tuple(dict.fromkeys(max(sized, key=lambda found: found[0])[1]))
 
 
 def _direct_input(side: tuple[Expr, ...], inputs: dict[str, InputBuffer], input_dtypes: Mapping[str, str],

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from neptune_fusion.algebra import symbolic
@@ -126,8 +127,11 @@ def grad_name(output: int) -> str:
     return f"grad_{output}"
 
 
-def differentiate(program: Program, wrt: tuple[str, ...]) -> Gradient:
-    """The backward of `program` with respect to the float inputs `wrt` (see the module doc)."""
+def differentiate(program: Program, wrt: tuple[str, ...], sizes: Mapping[str, int] | None = None,
+                  dtype: str = "f32") -> Gradient:
+    """The backward of `program` with respect to the float inputs `wrt` (see the module doc);
+    `sizes`, the call's axis sizes, let the forward save a long contraction its tensors do not
+    span (`saves_by_size`), in `dtype` (the call's, as torch's autograd keeps a matrix product)."""
     if any(isinstance(node, FusedLoop) for node in program.stages):
         raise FusionError(PASS, program.name, "program", "differentiate the traced program, before fusion")
     for name in wrt:
@@ -135,7 +139,41 @@ def differentiate(program: Program, wrt: tuple[str, ...]) -> Gradient:
         if buf.kind != "float":
             raise FusionError(PASS, name, "input", f"only float inputs have gradients ({buf.kind} given)")
     program = _one_sum_a_stage(program)
-    return save_log_normalisers(_Reverse(program, tuple(wrt)).run(), program)
+    return save_log_normalisers(_Reverse(program, tuple(wrt), saves_by_size(program, sizes), dtype).run(), program)
+
+
+# a reduction is saved where recomputing one of its values costs more tensor-core time than reading
+# its fp32 value back: two flops per summed element at ~990 TFLOP/s against 4 bytes at ~3.35 TB/s
+# (an H100's dense fp16 rate and HBM), so a sum over more than about 600 elements
+SAVED_MIN_SUMMED = 600
+
+
+def saves_by_size(program: Program, sizes: Mapping[str, int] | None) -> frozenset[str]:
+    """The reductions the forward saves at these sizes though no input or output spans their axes:
+    those no larger than the call's inputs and outputs together whose recomputation would sum more
+    than `SAVED_MIN_SUMMED` elements each (a projection `x @ w` of a width, or an MLP's hidden
+    activations, as torch's autograd keeps them; not attention's scores over a head dim, nor
+    logits larger than the weight and hidden states together).
+
+    Example:
+        >>> import torch, neptune_fusion as nf
+        >>> @nf.program
+        ... def gated(x, w):
+        ...     return nf.sigmoid(x @ w).sum(axis=-1)
+        >>> program = gated.trace(torch.randn(64, 1024), torch.randn(1024, 64))
+        >>> sorted(saves_by_size(program, {"x": 64, "y": 1024, "z": 64}))
+        ['dot0']
+        >>> sorted(saves_by_size(program, {"x": 64, "y": 128, "z": 64}))
+        []
+    """
+    if not sizes:
+        return frozenset()
+    held = sum(math.prod(sizes.get(a, 1) for a in dims if a is not None)
+               for dims in [b.dims for b in program.inputs] + [o.dims for o in program.outputs])
+    return frozenset(st.name for st in program.all_stages()
+                     if st.reduce_op is not None and not program.holds_as_large(st.axes)
+                     and sizes.get(st.reduce_axis, 0) > SAVED_MIN_SUMMED
+                     and math.prod(sizes.get(a, 1) for a in st.axes) <= held)
 
 
 def without_detach(program: Program) -> Program:
@@ -194,9 +232,12 @@ def _one_sum_a_stage(program: Program) -> Program:
 
 
 class _Reverse:
-    def __init__(self, program: Program, wrt: tuple[str, ...]) -> None:
+    def __init__(self, program: Program, wrt: tuple[str, ...], by_size: frozenset[str] = frozenset(),
+                 by_size_dtype: str = "f32") -> None:
         self.program = program
         self.wrt = wrt
+        self.by_size = by_size  # reductions saved at the call's sizes (`saves_by_size`), in `by_size_dtype`
+        self.by_size_dtype = by_size_dtype
         self.stages = {st.name: st for st in program.all_stages()}
         self.inputs = {b.name: b for b in program.inputs}
         self.active = _active(program, set(wrt))
@@ -523,7 +564,7 @@ class _Reverse:
                     continue
                 if name in output_of and name not in exact:
                     outputs_read.append(output_of[name])
-                elif stage.reduce_op is not None and self.program.holds_as_large(stage.axes) and self.saveable(stage):
+                elif self.saves(stage):
                     saved.append(name)
                 else:
                     recompute.append(stage)
@@ -546,7 +587,8 @@ class _Reverse:
         backward.validate()
         saved_order = tuple(sorted(set(saved), key=order.index))
         extra = [Stage(self.fresh(f"saved_{n}"), self.stages[n].axes,
-                       Cast(Load(n, tuple(map(Index, self.stages[n].axes))), "f32")) for n in saved_order]
+                       Cast(Load(n, tuple(map(Index, self.stages[n].axes))),
+                            self.by_size_dtype if n in self.by_size else "f32")) for n in saved_order]
         forward = Program(program.name, program.inputs, program.params, (*program.stages, *extra),
                           (*program.outputs, *(OutputSpec(st.name, st.axes) for st in extra)),
                           dict(program.axis_sizes), dict(program.param_kinds), dict(program.derived_axes))
@@ -562,9 +604,16 @@ class _Reverse:
         if buffer in self.inputs:
             return True
         stage = self.stages[buffer]
-        if stage.reduce_op is not None and self.program.holds_as_large(stage.axes) and self.saveable(stage):
+        if self.saves(stage):
             return True
         return buffer not in exact and any(o.stage == buffer for o in self.program.outputs)
+
+    def saves(self, stage: Stage) -> bool:
+        """Whether the forward saves the value of `stage` for the backward: a reduction no larger
+        than a tensor the program holds (a row statistic) or saved at the call's sizes, where the
+        saved value is the one the backward would compute."""
+        return (stage.reduce_op is not None and (self.program.holds_as_large(stage.axes) or stage.name in self.by_size)
+                and self.saveable(stage))
 
     def saveable(self, stage: Stage) -> bool:
         """Whether the value the forward saves for the reduction `stage` is the one the backward
