@@ -863,3 +863,41 @@ def test_a_backwards_matmuls_through_gathered_fp32_results_run_through_cublas() 
     tokens = derived.gradient.backward.input("x").dims[0]
     weight = next(plan for plan in plans if plan.stage == "grad_gate_up_part")
     assert all(op.axes[0] == tokens for op in (*dh.operands, *weight.operands) if op.program is not None)
+
+
+def test_an_operand_two_gemms_read_is_written_once_and_read_as_it_stands() -> None:
+    """The SwiGLU MLP at a width whose projection the forward saves: the chunk's gradient, which
+    dh's GEMM and gate_up's gradient both read, is written once (fp16) by a kernel of its own
+    instead of being computed again for each, and dh's GEMM takes it as it stands (the guard
+    where it is zero anyway is dropped). Gradients within fp16 error of torch's fp32 ones."""
+    from neptune_fusion.integrations.autograd import InProgramDtype
+
+    torch.manual_seed(0)
+    args = [torch.randn(16, 640), 1 + 0.1 * torch.randn(640), torch.randn(96, 640) / 640**0.5,
+            torch.randn(640, 48) / 48**0.5]
+    seed = torch.randn(16, 640)
+    fn = nf.compile(_swiglu_mlp)
+    leaves = [a.half().requires_grad_() for a in args]
+    fn(*leaves).backward(seed.half())
+    want = [a.clone().requires_grad_() for a in args]
+    _swiglu_mlp(*want).backward(seed)
+    assert_grads([a.grad.float() for a in leaves], [a.grad for a in want], tol=2e-2)
+    (derived,) = fn.training.values()
+    assert "dot0" in derived.gradient.saved
+    steps = [(group, step) for group, step in derived.backward.steps if isinstance(step, InProgramDtype)]
+    (written,) = [(group, step) for group, step in steps if group.results == ("grad_dot0",)]
+    assert written[1].result_dtypes(written[0], "f16") == {"grad_dot0": torch.float16}
+    readers = [group for group, _ in steps if any(b.name == "grad_dot0" for b in group.program.inputs)]
+    assert len(readers) == 2 and all("grad_dot0" not in {st.name for st in g.program.stages} for g in readers)
+    dh = next(plan for _, step in steps for plan in _library_runs(step.at("f16")) if plan.stage == "grad_ew1_part")
+    assert dh.operands[0].input == "grad_dot0" and dh.operands[1].input == "gate_up"
+    # the rewrite is exact: the backward program gives the same gradients with the guard dropped
+    from neptune_fusion.schedule.partition import _unguarded_reads
+
+    backward = derived.gradient.backward
+    named = {b.name: torch.rand([{"a": 16, "y": 640, "z": 96, "y2": 48, "z2": 640}[a] for a in b.dims],
+                                dtype=torch.float64) + 0.5 for b in backward.inputs}  # sum0, a mean square, > 0
+    unguarded = _unguarded_reads(backward, {"grad_dot0"})
+    assert unguarded != backward
+    for before, after in zip(nf.run_reference(backward, named), nf.run_reference(unguarded, named)):
+        torch.testing.assert_close(after, before, rtol=1e-12, atol=0)

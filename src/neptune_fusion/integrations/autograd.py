@@ -253,8 +253,11 @@ class Kernels:
         narrowed = {dtype: narrow_materialised(groups, dtype) for dtype in NARROW_DTYPES}
         for k, group in enumerate(groups):
             sub = group.program
+            # an element-wise group written for later kernels (an operand several GEMMs read) is a
+            # kernel of ours: what it writes is what they read, in the dtype they multiply in
+            fused = chain_axis(sub) or not all(r.startswith("output:") for r in group.results)
             self.steps.append((group, InProgramDtype(sub, allow_fallback, {d: narrowed[d][k].program for d in narrowed})
-                               if chain_axis(sub) else Unfused(sub)))
+                               if fused else Unfused(sub)))
         # lengths of axes a kernel reads none of its inputs along, passed to it as parameters
         self.length_params = length_params_of(program, [group.program for group, _ in self.steps])
 

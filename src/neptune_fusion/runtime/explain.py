@@ -189,7 +189,8 @@ def _explain_backward(program: Program, named: dict[str, Any], schedule: Schedul
                         for r, body in zip(group.results, bodies)})
         args.update({b.name: named[b.name] if b.name in named else stand_ins[b.name] for b in group.program.inputs})
         out.append(f"=== backward kernel {i}: {group.program.name} (results {list(group.results)}) ===")
-        if chain_axis(group.program) is None:  # what integrations/autograd.py runs unfused
+        if chain_axis(group.program) is None and all(r.startswith("output:") for r in group.results):
+            # what integrations/autograd.py runs unfused
             out.append("(no reduction: torch's element-wise kernels run it)\n" + format_program(group.program))
             continue
         try:

@@ -28,15 +28,19 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from neptune_fusion.analysis.chains import chain_axis, transitive_reads
+from neptune_fusion.analysis.masks import conjuncts
 from neptune_fusion.ir.expr import (
     Binary,
     Cast,
+    Const,
     Expr,
     Index,
     Load,
     Param,
     Reduce,
     Size,
+    Unary,
+    Where,
     free_axes,
     product_factors,
     substitute_index,
@@ -421,6 +425,10 @@ def read_only_as_contraction_factor(program: Program, buffer: str) -> bool:
             return summed is not None and summed in free_axes(expr)
         if isinstance(expr, Binary) and expr.op == "mul":
             return factor_reads(expr.a, summed) and factor_reads(expr.b, summed)
+        if isinstance(expr, Where) and Const(0.0) in (expr.a, expr.b):
+            # a factor set to 0 where a guard holds is still a factor: where(c, 0, x) * y = where(c, 0, x * y)
+            value = expr.b if expr.a == Const(0.0) else expr.a
+            return factor_reads(expr.cond, None) and factor_reads(value, summed)
         if isinstance(expr, Reduce):
             return factor_reads(expr.body, expr.axis if expr.op == "sum" else None)
         return all(factor_reads(child, None) for child in expr.children())
@@ -633,6 +641,14 @@ def partition_loops(program: Program, held: frozenset[str]) -> list[Group]:
                 or program.holds_as_large(st.axes)):
             loops[st.name] = (st.reduce_axis, frozenset(st.axes) - held)
 
+    written_once = set()
+    for st in reversed(stages):  # readers first: a stage only a shared one reads stays in its kernel
+        if _written_once(program, st, by_name, loops, readers_through):
+            loops[st.name] = (f"{SHARED_KEY}{st.name}", frozenset(st.axes))  # a kernel of its own
+            written_once.add(st.name)
+    if written_once:
+        program = _unguarded_reads(program, written_once)
+
     def loop_reads(name: str) -> set[str]:
         """The loop reductions `name` reads, through element-wise and recomputed stages."""
         found: set[str] = set()
@@ -665,6 +681,85 @@ def partition_loops(program: Program, held: frozenset[str]) -> list[Group]:
         if members:
             groups.append(_loop_group(program, members, set(loops) - set(members), later_reads, i))
     return groups
+
+
+# the loop key of an element-wise stage written once for several kernels (`_shared_operands`)
+SHARED_KEY = "written once: "
+
+
+def _written_once(program: Program, stage: Stage, by_name: dict[str, Stage],
+                  loops: dict[str, tuple[str, frozenset[str]]], readers_through: Callable[[str], set[str]]) -> bool:
+    """Whether the element-wise `stage` is written once for the kernels that read it, not computed
+    again in each: an operand of contractions (`read_only_as_contraction_factor`) in at least two
+    kernels, no larger than a tensor the program holds (never a score matrix), computed from what
+    those kernels read anyway (inputs and loop reductions, not a reduction each would recompute),
+    from at least two loads of its own size. Written once and read back by n kernels, it moves
+    n + 1 tensors of its size; computed again, at least 2n (a SwiGLU gradient, the operand of the
+    GEMMs of dx and of the weight, gathers four)."""
+    if (stage.reduce_op is not None or len({loops[r] for r in readers_through(stage.name)}) < 2
+            or not program.holds_as_large(stage.axes) or not read_only_as_contraction_factor(program, stage.name)):
+        return False
+    loads: set[Load] = set()
+    todo: list[tuple[Expr, frozenset[str]]] = [(stage.body, frozenset({stage.name}))]
+    while todo:
+        expr, seen = todo.pop()
+        for load in walk(expr):
+            if not isinstance(load, Load):
+                continue
+            source = by_name.get(load.buffer)
+            if source is None or load.buffer in loops:
+                loads.add(load)
+            elif source.reduce_op is not None or load.buffer in seen:
+                return False  # a reduction each reader computes again: nothing to write once
+            else:
+                todo.append((substitute_index(source.body, dict(zip(source.axes, load.index))), seen | {load.buffer}))
+    full = [load for load in loads if set().union(*(free_axes(i) for i in load.index)) >= set(stage.axes)]
+    return len(full) >= 2
+
+
+def _zero_unless(body: Expr) -> list[Expr] | None:
+    """Conditions under all of which `body` is exactly 0, read off its where()s: a sum of
+    `where(a_i, x_i, 0)` is 0 where every `~a_i` holds (whatever x_i is, NaN included)."""
+    if isinstance(body, Where) and body.b == Const(0.0):
+        return [Unary("not", body.cond)]
+    if isinstance(body, Where) and body.a == Const(0.0):
+        return [body.cond]
+    if isinstance(body, Binary) and body.op in ("add", "sub"):
+        a, b = _zero_unless(body.a), _zero_unless(body.b)
+        return None if a is None or b is None else a + b
+    if isinstance(body, Binary) and body.op == "mul":
+        return _zero_unless(body.a) or _zero_unless(body.b)
+    return None
+
+
+def _unguarded_reads(program: Program, written: set[str]) -> Program:
+    """`where(c, 0, e[i])` -> `e[i]` for the stages `written` for later kernels, where `e` is 0
+    wherever `c` holds anyway (a chunk's gradient, guarded again where its reader sums it): the
+    reader then takes the written tensor as it stands, a GEMM's operand cuBLAS reads directly.
+
+    Example:
+        >>> inside = Binary("lt", Index("j"), Const(4))
+        >>> e = Stage("e", ("i", "j"), Where(inside, Load("x", (Index("i"), Index("j"))), Const(0.0)))
+        >>> guarded = Where(Unary("not", inside), Const(0.0), Load("e", (Index("i"), Index("j"))))
+        >>> s = Stage("s", ("i",), Reduce("sum", "j", guarded))
+        >>> prog = Program("p", (InputBuffer("x", ("i", "j")),), (), (e, s), (OutputSpec("s", ("i",)),))
+        >>> _unguarded_reads(prog, {"e"}).stage("s").body.body
+        Load(buffer='e', index=(Index(axis='i'), Index(axis='j')))
+    """
+    by_name = {st.name: st for st in program.stages if isinstance(st, Stage)}
+
+    def unguard(node: Expr) -> Expr | None:
+        if not (isinstance(node, Where) and node.a == Const(0.0) and isinstance(node.b, Load)
+                and node.b.buffer in written):
+            return None
+        stage = by_name[node.b.buffer]
+        zero = _zero_unless(substitute_index(stage.body, dict(zip(stage.axes, node.b.index))))
+        held = conjuncts(node.cond)
+        return node.b if zero is not None and all(z in held for z in zero) else None
+
+    return program.with_stages([replace(st, body=transform_bottom_up(st.body, unguard))
+                                if isinstance(st, Stage) and st.name not in written else st
+                                for st in program.stages])
 
 
 def _loops_over_copies_shared(program: Program, loops: dict[str, tuple[str, frozenset[str]]],
