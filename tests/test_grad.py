@@ -901,3 +901,21 @@ def test_an_operand_two_gemms_read_is_written_once_and_read_as_it_stands() -> No
     assert unguarded != backward
     for before, after in zip(nf.run_reference(backward, named), nf.run_reference(unguarded, named)):
         torch.testing.assert_close(after, before, rtol=1e-12, atol=0)
+
+
+def test_the_forward_saves_long_projections_in_the_calls_dtype_and_statistics_in_fp32() -> None:
+    """Model-code attention over 1024 tokens of width 1024: the projections (sums over 1024 > 600
+    elements, no larger than x) are saved by the forward in fp16 as torch keeps them; the
+    attention's max, normaliser and unnormalised output, also sums over 1024 keys, stay fp32:
+    rounded, they would not match the scores the backward recomputes against them."""
+    from neptune_fusion.ir.expr import Cast
+
+    args = [torch.randn(1024, 1024)] + [torch.randn(1024, 1024) for _ in range(3)]
+    program = nf.program(_causal_self_attention).trace(*args)
+    sizes = {a: 1024 for a in ("a", "y", "z", "z2", "z3")} | {"a2": 128, "e": 8, "f": 8, "s": 1024}
+    g = differentiate(program, ("x", "wq", "wk", "wv"), sizes, "f16")
+    saved = {st.body.x.buffer: st.body.dtype for st in g.forward.stages
+             if st.name.startswith("saved_") and isinstance(st.body, Cast)}
+    projections = {n for n, st in ((n, program.stage(n)) for n in saved) if st.reduce_axis == "y"}
+    assert len(projections) == 3 and {saved[n] for n in projections} == {"f16"}, saved
+    assert {dtype for n, dtype in saved.items() if n not in projections} == {"f32"} and len(saved) > 3, saved

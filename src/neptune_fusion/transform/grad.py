@@ -131,7 +131,8 @@ def differentiate(program: Program, wrt: tuple[str, ...], sizes: Mapping[str, in
                   dtype: str = "f32") -> Gradient:
     """The backward of `program` with respect to the float inputs `wrt` (see the module doc);
     `sizes`, the call's axis sizes, let the forward save a long contraction its tensors do not
-    span (`saves_by_size`), in `dtype` (the call's, as torch's autograd keeps a matrix product)."""
+    span (`saves_by_size`): a matrix product in `dtype` (the call's, as torch's autograd keeps
+    one), any other (a statistic) in fp32."""
     if any(isinstance(node, FusedLoop) for node in program.stages):
         raise FusionError(PASS, program.name, "program", "differentiate the traced program, before fusion")
     for name in wrt:
@@ -586,9 +587,13 @@ class _Reverse:
                            sources, dict(program.param_kinds), {**program.derived_axes, **self.derived})
         backward.validate()
         saved_order = tuple(sorted(set(saved), key=order.index))
+        # a matrix product saved at the call's sizes is kept in its dtype (as torch's autograd keeps
+        # one); a statistic (a max, a sum of exponentials) or a product of computed values stays
+        # fp32: rounded, it would no longer match the values the backward recomputes against it
         extra = [Stage(self.fresh(f"saved_{n}"), self.stages[n].axes,
                        Cast(Load(n, tuple(map(Index, self.stages[n].axes))),
-                            self.by_size_dtype if n in self.by_size else "f32")) for n in saved_order]
+                            self.by_size_dtype if n in self.by_size and self.plain(Load(n, ())) else "f32"))
+                 for n in saved_order]
         forward = Program(program.name, program.inputs, program.params, (*program.stages, *extra),
                           (*program.outputs, *(OutputSpec(st.name, st.axes) for st in extra)),
                           dict(program.axis_sizes), dict(program.param_kinds), dict(program.derived_axes))
