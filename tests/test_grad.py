@@ -869,7 +869,8 @@ def test_an_operand_two_gemms_read_is_written_once_and_read_as_it_stands() -> No
     """The SwiGLU MLP at a width whose projection the forward saves: the chunk's gradient, which
     dh's GEMM and gate_up's gradient both read, is written once (fp16) by a kernel of its own
     instead of being computed again for each, and dh's GEMM takes it as it stands (the guard
-    where it is zero anyway is dropped). Gradients within fp16 error of torch's fp32 ones."""
+    where it is zero anyway is dropped). The forward computes the projection it saves once: the
+    part computing the output reads it. Gradients within fp16 error of torch's fp32 ones."""
     from neptune_fusion.integrations.autograd import InProgramDtype
 
     torch.manual_seed(0)
@@ -891,6 +892,10 @@ def test_an_operand_two_gemms_read_is_written_once_and_read_as_it_stands() -> No
     assert len(readers) == 2 and all("grad_dot0" not in {st.name for st in g.program.stages} for g in readers)
     dh = next(plan for _, step in steps for plan in _library_runs(step.at("f16")) if plan.stage == "grad_ew1_part")
     assert dh.operands[0].input == "grad_dot0" and dh.operands[1].input == "gate_up"
+    # the forward's output part reads the projection its saving part returns, not computed twice
+    parts = [group.program for exe in derived.forward._cache.values() for group, _ in exe.groups]
+    assert any("saved_dot0" in {b.name for b in p.inputs} and "gate_up" not in {b.name for b in p.inputs}
+               for p in parts), [[b.name for b in p.inputs] for p in parts]
     # the rewrite is exact: the backward program gives the same gradients with the guard dropped
     from neptune_fusion.schedule.partition import _unguarded_reads
 

@@ -36,8 +36,8 @@ from neptune_fusion.codegen.gluon_source import GLUON_LOOP_TILES, consumer_regis
 from neptune_fusion.codegen.gluon_source import ROW_BLOCK as GLUON_ROW_BLOCK
 from neptune_fusion.codegen.triton_source import generate
 from neptune_fusion.ir.errors import FusionError, UnsupportedProgramError
-from neptune_fusion.ir.expr import Cast, Reduce, free_axes, walk
-from neptune_fusion.ir.program import FusedLoop, Program
+from neptune_fusion.ir.expr import Cast, Index, Load, Reduce, free_axes, walk
+from neptune_fusion.ir.program import FusedLoop, InputBuffer, Program, Stage
 from neptune_fusion.lang.tensor import input_dtype_name
 from neptune_fusion.lang.trace import ProgramDef
 from neptune_fusion.runtime.blockmap import block_map, block_map_axes
@@ -939,10 +939,15 @@ class Compiled:
         device = example[program.inputs[0].name].device
         length_params = length_params_of(program, [g.program for g, _ in exe.groups])
         env.update(lengths_of(program, length_params, example))
+        later_reads = {b.name for group, _ in exe.groups for b in group.program.inputs}
         runs = []
         for group, part in exe.groups:
             names = arg_names(group.program)
-            runs.append((names, self._launcher(part, group.program, {n: env[n] for n in names}, names), group.results))
+            # an output a later group reads is known by its stage's name as well
+            aliases = tuple(o.stage if r.startswith("output:") and o.stage in later_reads else r
+                            for r, o in zip(group.results, group.program.outputs))
+            runs.append((names, self._launcher(part, group.program, {n: env[n] for n in names}, names), group.results,
+                         aliases))
             env.update(_materialised(program, group, sizes, device))
         # a group that reads only materialised (fp32) values would return fp32: outputs keep the
         # dtypes the whole program gives them
@@ -952,9 +957,11 @@ class Compiled:
             known = dict(zip(order, values))
             if length_params:
                 known.update(lengths_of(program, length_params, known))
-            for names, launch, results in runs:
+            for names, launch, results, aliases in runs:
                 out = launch([known[n] for n in names])
                 known.update(zip(results, out if isinstance(out, tuple) else (out,)))
+                if aliases != results:
+                    known.update(zip(aliases, out if isinstance(out, tuple) else (out,)))
             outs = [known[f"output:{j}"].to(dtype) for j, dtype in enumerate(dtypes)]
             return outs[0] if len(outs) == 1 else tuple(outs)
 
@@ -1192,8 +1199,11 @@ def input_dtypes(program: Program, args: dict[str, Any]) -> dict[str, str]:
 def library_outputs_apart(program: Program, sizes: dict[str, int], dtype: str,
                           dtypes: dict[str, str]) -> list[Group] | None:
     """A program of several outputs, one of which the GEMM library would compute alone (a
-    backward's weight gradient beside a norm's): that output as a group of its own after a group of
-    the others (each of which may part again), or None.
+    backward's weight gradient beside a norm's): that output as a group of its own beside a group
+    of the others (each of which may part again), or None. The later group reads what the earlier
+    one returns instead of computing it again (`_reading_outputs`: a training forward's saved
+    projection, its attention's statistics); the order that saves the larger reductions runs, the
+    others first where neither saves any.
 
     Example:
         >>> import neptune_fusion as nf
@@ -1212,16 +1222,53 @@ def library_outputs_apart(program: Program, sizes: dict[str, int], dtype: str,
         alone = _outputs_program(program, [j])
         if isinstance(library_contraction(alone, sizes, dtype, dtypes), LibraryContraction):
             rest = [i for i in range(len(program.outputs)) if i != j]
-            return [Group(_outputs_program(program, rest), tuple(f"output:{i}" for i in rest)),
-                    Group(alone, (f"output:{j}",))]
+            orders = [((rest, [j]), _reading_outputs(program, [j], rest, sizes)),
+                      (([j], rest), _reading_outputs(program, rest, [j], sizes))]
+            (first, second), (later, saved) = max(orders, key=lambda order: order[1][1])
+            return [Group(_outputs_program(program, first), tuple(f"output:{i}" for i in first)),
+                    Group(later if saved else _outputs_program(program, second), tuple(f"output:{i}" for i in second))]
     return None
 
 
-def _outputs_program(program: Program, outputs: list[int]) -> Program:
-    """`program` computing only these of its outputs (the stages they need, the inputs those read)."""
+def _outputs_program(program: Program, outputs: list[int], returned: dict[str, Stage] | None = None) -> Program:
+    """`program` computing only these of its outputs (the stages they need, the inputs those
+    read); a reduction in `returned` is read from the output stage given for it (an input)."""
     specs = [program.outputs[j] for j in outputs]
-    stages = needed_stages(list(program.stages), {o.stage for o in specs})
-    return subprogram(program, f"{program.name}_out{'_'.join(map(str, outputs))}", stages, specs, [])
+    roots = {o.stage for o in specs}
+    stages: list[Any] = list(program.stages)
+    extra: list[InputBuffer] = []
+    if returned:
+        needed = {st.name for st in needed_stages(stages, roots)}
+        use = {r: out for r, out in returned.items() if r in needed}
+        given = {out.name for out in use.values()}  # inputs now, not stages computed again
+        stages = [Stage(st.name, st.axes, Load(use[st.name].name, tuple(map(Index, st.axes))))
+                  if isinstance(st, Stage) and st.name in use else st for st in stages if st.name not in given]
+        extra = [InputBuffer(out.name, out.axes) for out in use.values()]
+    stages = needed_stages(stages, roots)
+    read = {r for st in stages for r in st.reads()}
+    return subprogram(program, f"{program.name}_out{'_'.join(map(str, outputs))}", stages, specs,
+                      [b for b in extra if b.name in read])
+
+
+def _reading_outputs(program: Program, later: list[int], earlier: list[int],
+                     sizes: dict[str, int]) -> tuple[Program, int]:
+    """The program of the outputs `later` reading every reduction it needs that one of the outputs
+    `earlier` returns as it stands (cast, at its own axes: a saved `f16(x @ w)`), and the elements
+    those reductions sum (what reading them saves). The later part then reads the value rounded to
+    the output's dtype, as model code's own tensors hold it."""
+    returned: dict[str, Stage] = {}
+    for j in earlier:
+        out = program.stage(program.outputs[j].stage)
+        body = out.body
+        if (isinstance(body, Cast) and isinstance(body.x, Load) and body.x.index == tuple(map(Index, out.axes))
+                and any(st.name == body.x.buffer and st.reduce_op is not None and st.axes == out.axes
+                        for st in program.stages if isinstance(st, Stage))):
+            returned[body.x.buffer] = out
+    part = _outputs_program(program, later, returned)
+    read = {b.name for b in part.inputs}
+    saved = sum(math.prod(sizes.get(a, 1) for a in (*program.stage(r).axes, program.stage(r).reduce_axis))
+                for r, out in returned.items() if out.name in read)
+    return part, saved
 
 
 def gemm_dtype(program: Program, args: dict[str, Any]) -> str:
@@ -1236,10 +1283,12 @@ def _materialised(program: Program, group: Group, sizes: dict[str, int], device:
     writes for the groups after it: example arguments for compiling those."""
     # the group's own stage gives the axes: a group may be a rewritten part of `program`
     # (transform/distribute.py adds basis sums), so not every result is one of its stages
+    # an output a later group reads (`library_outputs_apart`) goes by its stage's name too
     stages = [group.program.stage(o.stage) for o in group.program.outputs]
-    return {r: torch.empty([sizes[a] for a in stages[j].axes], device=device,
-                           dtype=torch_dtype(stages[j].body.dtype) if isinstance(stages[j].body, Cast) else torch.float32)
-            for j, r in enumerate(group.results) if not r.startswith("output:")}
+    return {(st.name if r.startswith("output:") else r):
+            torch.empty([sizes[a] for a in st.axes], device=device,
+                        dtype=torch_dtype(st.body.dtype) if isinstance(st.body, Cast) else torch.float32)
+            for st, r in zip(stages, group.results) if not r.startswith("output:") or isinstance(st.body, Cast)}
 
 
 def length_params_of(program: Program, parts: list[Program]) -> dict[str, str]:
