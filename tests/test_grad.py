@@ -912,7 +912,8 @@ def test_the_forward_saves_long_projections_in_the_calls_dtype_and_statistics_in
     """Model-code attention over 1024 tokens of width 1024: the projections (sums over 1024 > 600
     elements, no larger than x) are saved by the forward in fp16 as torch keeps them; the
     attention's max, normaliser and unnormalised output, also sums over 1024 keys, stay fp32:
-    rounded, they would not match the scores the backward recomputes against them."""
+    rounded, they would not match the scores the backward recomputes against them (and the
+    unnormalised output could overflow fp16)."""
     from neptune_fusion.ir.expr import Cast
 
     args = [torch.randn(1024, 1024)] + [torch.randn(1024, 1024) for _ in range(3)]
@@ -924,3 +925,11 @@ def test_the_forward_saves_long_projections_in_the_calls_dtype_and_statistics_in
     projections = {n for n, st in ((n, program.stage(n)) for n in saved) if st.reduce_axis == "y"}
     assert len(projections) == 3 and {saved[n] for n in projections} == {"f16"}, saved
     assert {dtype for n, dtype in saved.items() if n not in projections} == {"f32"} and len(saved) > 3, saved
+    # the SwiGLU MLP: its gate/up projection of the normed input is an activation (fp16), the
+    # norm's mean square, read under a root, a statistic (fp32)
+    args = [torch.randn(16, 640), torch.randn(640), torch.randn(96, 640), torch.randn(640, 48)]
+    program = nf.program(_swiglu_mlp).trace(*args)
+    g = differentiate(program, ("x", "norm_weight", "gate_up", "down"),
+                      {"a": 16, "y": 640, "z": 96, "y2": 48, "z2": 640}, "f16")
+    dtypes = {st.body.x.buffer: st.body.dtype for st in g.forward.stages if st.name.startswith("saved_")}
+    assert dtypes == {"dot0": "f16", "sum0": "f32"}, dtypes

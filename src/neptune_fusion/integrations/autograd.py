@@ -282,7 +282,7 @@ class Kernels:
             args = _group_args(group, pool, named)
             if isinstance(fn, InProgramDtype):
                 try:
-                    fn.at(dtype).executable_for(group.program, args)
+                    fn.at(dtype).executable_for(fn.program_at(dtype), args)
                 except FusionError as exc:
                     failed.append((k, exc))
             example = next(iter(named.values()))
@@ -355,13 +355,17 @@ class InProgramDtype:
 
     def at(self, dtype: str) -> Compiled:
         if dtype not in self.by_dtype:
-            self.by_dtype[dtype] = Compiled(FixedProgram(self.narrowed.get(dtype, self.program)), Auto(),
-                                            self.allow_fallback, compute_dtype=dtype)
+            self.by_dtype[dtype] = Compiled(FixedProgram(self.program_at(dtype)), Auto(), self.allow_fallback,
+                                            compute_dtype=dtype)
         return self.by_dtype[dtype]
+
+    def program_at(self, dtype: str) -> Program:
+        """The kernel's program in a step of `dtype` (what `at(dtype)` compiles and runs)."""
+        return self.narrowed.get(dtype, self.program)
 
     def result_dtypes(self, group: Group, dtype: str) -> dict[str, torch.dtype]:
         """The dtype of each result the kernel writes for later ones, in a step of `dtype`."""
-        program = self.narrowed.get(dtype, self.program)
+        program = self.program_at(dtype)
         bodies = [program.stage(o.stage).body for o in program.outputs]
         return {name: torch_dtype(body.dtype) if isinstance(body, Cast) else torch.float32
                 for name, body in zip(group.results, bodies)}

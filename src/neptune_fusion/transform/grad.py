@@ -587,12 +587,9 @@ class _Reverse:
                            sources, dict(program.param_kinds), {**program.derived_axes, **self.derived})
         backward.validate()
         saved_order = tuple(sorted(set(saved), key=order.index))
-        # a matrix product saved at the call's sizes is kept in its dtype (as torch's autograd keeps
-        # one); a statistic (a max, a sum of exponentials) or a product of computed values stays
-        # fp32: rounded, it would no longer match the values the backward recomputes against it
         extra = [Stage(self.fresh(f"saved_{n}"), self.stages[n].axes,
                        Cast(Load(n, tuple(map(Index, self.stages[n].axes))),
-                            self.by_size_dtype if n in self.by_size and self.plain(Load(n, ())) else "f32"))
+                            self.by_size_dtype if n in self.by_size and self.activation(n) else "f32"))
                  for n in saved_order]
         forward = Program(program.name, program.inputs, program.params, (*program.stages, *extra),
                           (*program.outputs, *(OutputSpec(st.name, st.axes) for st in extra)),
@@ -619,6 +616,23 @@ class _Reverse:
         saved value is the one the backward would compute."""
         return (stage.reduce_op is not None and (self.program.holds_as_large(stage.axes) or stage.name in self.by_size)
                 and self.saveable(stage))
+
+    def activation(self, name: str) -> bool:
+        """Whether the sum `name` is an activation torch's autograd keeps in the step's dtype (a
+        projection, an MLP's hidden values), not a statistic: no reader divides by it or divides it
+        (a normaliser, the unnormalised output of an attention, which can overflow 16 bits) or
+        takes its log or root (a norm's mean square). A max is a statistic too: rounded, it would
+        no longer match the scores the backward recomputes against it."""
+        if self.stages[name].reduce_op != "sum":
+            return False
+
+        def scaled(expr: Expr) -> bool:  # reads `name` only through scale-keeping arithmetic
+            if isinstance(expr, Binary) and expr.op in ("div", "pow") or isinstance(expr, Unary) and expr.op in (
+                    "log", "log2", "sqrt", "rsqrt", "recip"):
+                return not any(isinstance(n, Load) and n.buffer == name for n in walk(expr))
+            return all(scaled(child) for child in expr.children())
+
+        return all(scaled(st.body) for st in self.program.all_stages())
 
     def saveable(self, stage: Stage) -> bool:
         """Whether the value the forward saves for the reduction `stage` is the one the backward
