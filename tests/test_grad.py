@@ -829,6 +829,23 @@ def _library_runs(compiled: nf.Compiled) -> list:
     return found
 
 
+def _swiglu_mlp_step_in_fp16(tokens: int, width: int, hidden: int):  # noqa: ANN202
+    """A training step of `_swiglu_mlp` in fp16, its gradients checked against torch's fp32 ones
+    (within fp16 error); returns the step's derived forward and backward."""
+    torch.manual_seed(0)
+    args = [torch.randn(tokens, width), 1 + 0.1 * torch.randn(width), torch.randn(2 * hidden, width) / width**0.5,
+            torch.randn(width, hidden) / hidden**0.5]
+    seed = torch.randn(tokens, width)
+    fn = nf.compile(_swiglu_mlp)
+    leaves = [a.half().requires_grad_() for a in args]
+    fn(*leaves).backward(seed.half())
+    want = [a.clone().requires_grad_() for a in args]
+    _swiglu_mlp(*want).backward(seed)
+    assert_grads([a.grad.float() for a in leaves], [a.grad for a in want], tol=2e-2)
+    (derived,) = fn.training.values()
+    return derived
+
+
 def test_a_backwards_matmuls_through_gathered_fp32_results_run_through_cublas() -> None:
     """The SwiGLU MLP's backward at a width past one K-loop column tile: dh sums the chunk's
     gradient, computed from fp32 results of earlier kernels read at two offsets, against gate_up.
@@ -838,17 +855,7 @@ def test_a_backwards_matmuls_through_gathered_fp32_results_run_through_cublas() 
     from the GEMM in fp32. Gradients within fp16 error of torch's fp32 ones."""
     from neptune_fusion.integrations.autograd import InProgramDtype
 
-    torch.manual_seed(0)
-    args = [torch.randn(16, 300), 1 + 0.1 * torch.randn(300), torch.randn(256, 300) / 300**0.5,
-            torch.randn(300, 128) / 128**0.5]
-    seed = torch.randn(16, 300)
-    fn = nf.compile(_swiglu_mlp)
-    leaves = [a.half().requires_grad_() for a in args]
-    fn(*leaves).backward(seed.half())
-    want = [a.clone().requires_grad_() for a in args]
-    _swiglu_mlp(*want).backward(seed)
-    assert_grads([a.grad.float() for a in leaves], [a.grad for a in want], tol=2e-2)
-    (derived,) = fn.training.values()
+    derived = _swiglu_mlp_step_in_fp16(tokens=16, width=300, hidden=128)
     plans = [plan for _, step in derived.backward.steps if isinstance(step, InProgramDtype)
              for plan in _library_runs(step.at("f16"))]
     stages = {plan.stage for plan in plans}
@@ -873,17 +880,7 @@ def test_an_operand_two_gemms_read_is_written_once_and_read_as_it_stands() -> No
     part computing the output reads it. Gradients within fp16 error of torch's fp32 ones."""
     from neptune_fusion.integrations.autograd import InProgramDtype
 
-    torch.manual_seed(0)
-    args = [torch.randn(16, 640), 1 + 0.1 * torch.randn(640), torch.randn(96, 640) / 640**0.5,
-            torch.randn(640, 48) / 48**0.5]
-    seed = torch.randn(16, 640)
-    fn = nf.compile(_swiglu_mlp)
-    leaves = [a.half().requires_grad_() for a in args]
-    fn(*leaves).backward(seed.half())
-    want = [a.clone().requires_grad_() for a in args]
-    _swiglu_mlp(*want).backward(seed)
-    assert_grads([a.grad.float() for a in leaves], [a.grad for a in want], tol=2e-2)
-    (derived,) = fn.training.values()
+    derived = _swiglu_mlp_step_in_fp16(tokens=16, width=640, hidden=48)
     assert "dot0" in derived.gradient.saved
     steps = [(group, step) for group, step in derived.backward.steps if isinstance(step, InProgramDtype)]
     (written,) = [(group, step) for group, step in steps if group.results == ("grad_dot0",)]
