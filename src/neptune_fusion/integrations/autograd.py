@@ -239,6 +239,7 @@ def contract_into(spec: str, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor
 
 NARROW_DTYPES = ("f16", "bf16")  # a step's dtypes whose dots take 16-bit operands
 
+
 class Kernels:
     """A program of several loops (a backward pass) as the kernels `partition_loops` cuts it into,
     run in order; what one kernel materialises, the later ones read. Groups whose kernels cannot be

@@ -592,7 +592,8 @@ def partition_loops(program: Program, held: frozenset[str]) -> list[Group]:
     reduction is a loop of its own: those over the same axis, with the same axes apart from held
     ones, share a kernel (`_kernels`); what a kernel reads from an earlier one is materialised
     (fp32). An element-wise output goes with the last kernel it reads (or, reading none, into a
-    group without a reduction).
+    group without a reduction); an element-wise operand that contractions of several kernels
+    read is written once by a kernel of its own (`_written_once`).
 
     Example:
         >>> import torch
@@ -641,7 +642,7 @@ def partition_loops(program: Program, held: frozenset[str]) -> list[Group]:
                 or program.holds_as_large(st.axes)):
             loops[st.name] = (st.reduce_axis, frozenset(st.axes) - held)
 
-    written_once = set()
+    written_once: set[str] = set()
     for st in reversed(stages):  # readers first: a stage only a shared one reads stays in its kernel
         if _written_once(program, st, by_name, loops, readers_through):
             loops[st.name] = (f"{SHARED_KEY}{st.name}", frozenset(st.axes))  # a kernel of its own
@@ -683,7 +684,7 @@ def partition_loops(program: Program, held: frozenset[str]) -> list[Group]:
     return groups
 
 
-# the loop key of an element-wise stage written once for several kernels (`_shared_operands`)
+# the loop key of an element-wise stage written once for the kernels that read it (`_written_once`)
 SHARED_KEY = "written once: "
 
 

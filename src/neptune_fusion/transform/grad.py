@@ -131,8 +131,8 @@ def differentiate(program: Program, wrt: tuple[str, ...], sizes: Mapping[str, in
                   dtype: str = "f32") -> Gradient:
     """The backward of `program` with respect to the float inputs `wrt` (see the module doc);
     `sizes`, the call's axis sizes, let the forward save a long contraction its tensors do not
-    span (`saves_by_size`): a matrix product in `dtype` (the call's, as torch's autograd keeps
-    one), any other (a statistic) in fp32."""
+    span (`saves_by_size`): an activation in `dtype` (the call's, as torch's autograd keeps one),
+    a statistic in fp32 (`_Reverse.activation`)."""
     if any(isinstance(node, FusedLoop) for node in program.stages):
         raise FusionError(PASS, program.name, "program", "differentiate the traced program, before fusion")
     for name in wrt:
@@ -144,7 +144,7 @@ def differentiate(program: Program, wrt: tuple[str, ...], sizes: Mapping[str, in
 
 
 # a reduction is saved where recomputing one of its values costs more tensor-core time than reading
-# its fp32 value back: two flops per summed element at ~990 TFLOP/s against 4 bytes at ~3.35 TB/s
+# it back (at most 4 bytes): two flops per summed element at ~990 TFLOP/s against 4 bytes at ~3.35 TB/s
 # (an H100's dense fp16 rate and HBM), so a sum over more than about 600 elements
 SAVED_MIN_SUMMED = 600
 
