@@ -1,10 +1,11 @@
 """A training step (forward + backward) of a Llama block's parts written as plain torch, compiled by
 `nf.compile`, beside the same code run by torch eager and by torch.compile, in one process.
 
-    PYTHONPATH=.:src python bench/block_step.py mlp|attention [--tokens 4096 --width 2048 --hidden 5632] [--profile]   (GPU)
+    PYTHONPATH=.:src python bench/block_step.py mlp|attention [--tokens 4096 --width 2048 --hidden 5632]
+        [--dtype float16|bfloat16] [--profile]   (GPU)
 
-Each part's gradients (fp16) are checked against torch autograd of the same code in fp32 on random
-inputs, beside torch eager's own fp16 error; the step is timed with do_bench (median after
+Each part's gradients (fp16 or bf16) are checked against torch autograd of the same code in fp32 on random
+inputs, beside torch eager's own error in that dtype; the step is timed with do_bench (median after
 warm-up). Writes $OUT/block_step_<part>.json.
 """
 
@@ -77,31 +78,33 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--hidden", type=int, default=5632)
+    parser.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16")
     parser.add_argument("--profile", action="store_true", help="print the time of each kernel of our step")
     a = parser.parse_args()
+    dtype = getattr(torch, a.dtype)
     warm_up_gpu()
     fn = mlp if a.part == "mlp" else self_attention
     args32 = inputs(a.part, a.tokens, a.width, a.hidden)
-    args16 = [t.half() for t in args32]
+    args16 = [t.to(dtype) for t in args32]
     seed = torch.randn(a.tokens, a.width, device="cuda")
     want = gradients(fn, args32, seed)
     steps = {"nf": nf.compile(fn), "eager": fn, "torch.compile": torch.compile(fn)}
     result: dict[str, Any] = {"part": a.part, "tokens": a.tokens, "width": a.width, "hidden": a.hidden,
-                              "dtype": "float16", "env": environment()}
+                              "dtype": a.dtype, "env": environment()}
     for name, step in steps.items():
-        got = gradients(step, args16, seed.half())
+        got = gradients(step, args16, seed.to(dtype))
         errors = max_rel(got, want)
         leaves = [t.detach().clone().requires_grad_() for t in args16]
-        us = bench(lambda step=step, leaves=leaves: step(*leaves).backward(seed.half()))
+        us = bench(lambda step=step, leaves=leaves: step(*leaves).backward(seed.to(dtype)))
         result[name] = {"step_us": us, "grad_max_rel_err": errors}
         print(f"{a.part} {name}: fwd+bwd {us:.0f} us, gradient errors {[f'{e:.1e}' for e in errors]}", flush=True)
         if a.profile and name == "nf":
-            profile(lambda step=step, leaves=leaves: step(*leaves).backward(seed.half()), a.part)
+            profile(lambda step=step, leaves=leaves: step(*leaves).backward(seed.to(dtype)), a.part)
     for name in ("eager", "torch.compile"):
         print(f"  nf speed-up over {name}: {result[name]['step_us'] / result['nf']['step_us']:.2f}x")
     bad = [e for e in result["nf"]["grad_max_rel_err"] if not e < 2e-2]
     result["correct"] = not bad
-    write_results(f"block_step_{a.part}", result)
+    write_results(f"block_step_{a.part}" + ("" if a.dtype == "float16" else f"_{a.dtype}"), result)
     assert not bad, result["nf"]["grad_max_rel_err"]
 
 
