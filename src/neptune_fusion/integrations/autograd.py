@@ -27,13 +27,19 @@ import torch
 from neptune_fusion.analysis.chains import chain_axis
 from neptune_fusion.integrations.ops import argument_kinds, is_eager, run_kernels
 from neptune_fusion.ir.errors import FusionError
-from neptune_fusion.ir.expr import Cast
 from neptune_fusion.ir.program import Program
 from neptune_fusion.lang.tensor import input_dtype_name
 from neptune_fusion.lang.trace import FixedProgram
 from neptune_fusion.runtime import compiled as _compiled
-from neptune_fusion.runtime.compiled import Compiled, install_allocator, length_params_of, lengths_of, output_specs
-from neptune_fusion.runtime.reference import axis_extents, run_reference, torch_dtype
+from neptune_fusion.runtime.compiled import (
+    Compiled,
+    install_allocator,
+    length_params_of,
+    lengths_of,
+    output_specs,
+    result_dtypes,
+)
+from neptune_fusion.runtime.reference import axis_extents, run_reference
 from neptune_fusion.runtime.state import in_cudagraph_tree, object_of, private_state, static_shape
 from neptune_fusion.schedule.materialise import (
     Contraction,
@@ -353,6 +359,7 @@ class InProgramDtype:
         self.allow_fallback = allow_fallback
         self.narrowed = narrowed or {}  # by dtype: the program writing some results in it (`narrow_materialised`)
         self.by_dtype: dict[str, Compiled] = {}
+        self.written: dict[str, dict[str, torch.dtype]] = {}  # by dtype: `result_dtypes`
 
     def at(self, dtype: str) -> Compiled:
         if dtype not in self.by_dtype:
@@ -365,11 +372,11 @@ class InProgramDtype:
         return self.narrowed.get(dtype, self.program)
 
     def result_dtypes(self, group: Group, dtype: str) -> dict[str, torch.dtype]:
-        """The dtype of each result the kernel writes for later ones, in a step of `dtype`."""
-        program = self.program_at(dtype)
-        bodies = [program.stage(o.stage).body for o in program.outputs]
-        return {name: torch_dtype(body.dtype) if isinstance(body, Cast) else torch.float32
-                for name, body in zip(group.results, bodies)}
+        """The dtype of each result the kernel writes for later ones, in a step of `dtype` (read
+        once per dtype: each backward call checks what every kernel wrote against it)."""
+        if dtype not in self.written:
+            self.written[dtype] = result_dtypes(Group(self.program_at(dtype), group.results))
+        return self.written[dtype]
 
 
 def _group_args(group: Group, pool: dict[str, Any], named: dict[str, Any]) -> dict[str, Any]:

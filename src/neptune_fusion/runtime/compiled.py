@@ -944,8 +944,8 @@ class Compiled:
         for group, part in exe.groups:
             names = arg_names(group.program)
             # an output a later group reads is known by its stage's name as well
-            aliases = tuple(o.stage if r.startswith("output:") and o.stage in later_reads else r
-                            for r, o in zip(group.results, group.program.outputs))
+            aliases = tuple((k, o.stage) for k, (r, o) in enumerate(zip(group.results, group.program.outputs))
+                            if r.startswith("output:") and o.stage in later_reads)
             runs.append((names, self._launcher(part, group.program, {n: env[n] for n in names}, names), group.results,
                          aliases))
             env.update(_materialised(program, group, sizes, device))
@@ -959,9 +959,10 @@ class Compiled:
                 known.update(lengths_of(program, length_params, known))
             for names, launch, results, aliases in runs:
                 out = launch([known[n] for n in names])
-                known.update(zip(results, out if isinstance(out, tuple) else (out,)))
-                if aliases != results:
-                    known.update(zip(aliases, out if isinstance(out, tuple) else (out,)))
+                written = out if isinstance(out, tuple) else (out,)
+                known.update(zip(results, written))
+                for k, name in aliases:
+                    known[name] = written[k]
             outs = [known[f"output:{j}"].to(dtype) for j, dtype in enumerate(dtypes)]
             return outs[0] if len(outs) == 1 else tuple(outs)
 
@@ -1224,9 +1225,9 @@ def library_outputs_apart(program: Program, sizes: dict[str, int], dtype: str,
             rest = [i for i in range(len(program.outputs)) if i != j]
             orders = [((rest, [j]), _reading_outputs(program, [j], rest, sizes)),
                       (([j], rest), _reading_outputs(program, rest, [j], sizes))]
-            (first, second), (later, saved) = max(orders, key=lambda order: order[1][1])
+            (first, second), (later, _) = max(orders, key=lambda order: order[1][1])
             return [Group(_outputs_program(program, first), tuple(f"output:{i}" for i in first)),
-                    Group(later if saved else _outputs_program(program, second), tuple(f"output:{i}" for i in second))]
+                    Group(later, tuple(f"output:{i}" for i in second))]
     return None
 
 
@@ -1286,9 +1287,25 @@ def _materialised(program: Program, group: Group, sizes: dict[str, int], device:
     # an output a later group reads (`library_outputs_apart`) goes by its stage's name too
     stages = [group.program.stage(o.stage) for o in group.program.outputs]
     return {(st.name if r.startswith("output:") else r):
-            torch.empty([sizes[a] for a in st.axes], device=device,
-                        dtype=torch_dtype(st.body.dtype) if isinstance(st.body, Cast) else torch.float32)
+            torch.empty([sizes[a] for a in st.axes], device=device, dtype=written_dtype(st))
             for st, r in zip(stages, group.results) if not r.startswith("output:") or isinstance(st.body, Cast)}
+
+
+def written_dtype(stage: Stage) -> torch.dtype:
+    """The dtype a kernel writes a result stage in: its cast's (a narrowed pool, a saved
+    activation), else fp32.
+
+    Example:
+        >>> from neptune_fusion.ir.expr import Load
+        >>> written_dtype(Stage("r", ("i",), Cast(Load("s", (Index("i"),)), "f16")))
+        torch.float16
+    """
+    return torch_dtype(stage.body.dtype) if isinstance(stage.body, Cast) else torch.float32
+
+
+def result_dtypes(group: Group) -> dict[str, torch.dtype]:
+    """The dtype each of `group`'s results is written in (`written_dtype`), by result."""
+    return {r: written_dtype(group.program.stage(o.stage)) for r, o in zip(group.results, group.program.outputs)}
 
 
 def length_params_of(program: Program, parts: list[Program]) -> dict[str, str]:

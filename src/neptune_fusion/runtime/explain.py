@@ -40,6 +40,7 @@ from neptune_fusion.runtime.compiled import (
     input_dtypes,
     long_axes,
     narrow_inputs,
+    result_dtypes,
 )
 from neptune_fusion.runtime.reference import axis_extents, torch_dtype
 from neptune_fusion.schedule.library import Declined, library_contraction
@@ -184,9 +185,7 @@ def _explain_backward(program: Program, named: dict[str, Any], schedule: Schedul
                 stand_ins[b.name] = torch.randn([sizes[a] if a else 1 for a in b.dims],
                                                 dtype=written.get(b.name, torch.float32),
                                                 device=next(iter(stand_ins.values())).device)
-        bodies = [group.program.stage(o.stage).body for o in group.program.outputs]
-        written.update({r: torch_dtype(body.dtype) if isinstance(body, Cast) else torch.float32
-                        for r, body in zip(group.results, bodies)})
+        written.update(result_dtypes(group))
         args.update({b.name: named[b.name] if b.name in named else stand_ins[b.name] for b in group.program.inputs})
         out.append(f"=== backward kernel {i}: {group.program.name} (results {list(group.results)}) ===")
         if chain_axis(group.program) is None and all(r.startswith("output:") for r in group.results):
