@@ -56,6 +56,7 @@ from neptune_fusion.ir.expr import (
 from neptune_fusion.ir.program import FusedLoop, Program, Stage
 from neptune_fusion.schedule.pipeline import SPLIT_AXIS
 from neptune_fusion.schedule.tiles import AxisTiling, choose_tiling, sums_loaded_products
+from neptune_fusion.tile.guards import guarded_branch
 from neptune_fusion.tile.ir import (
     ArgSource,
     Assign,
@@ -439,7 +440,7 @@ def computed_operand_axes(members: tuple[Stage, ...]) -> list[str]:
 class _Scope:
     def __init__(self, stmts: list[Stmt]) -> None:
         self.stmts = stmts
-        self.memo: dict[Expr, TVal] = {}
+        self.memo: dict[Expr | tuple[Expr, tuple[str, ...]], TVal] = {}
 
 
 @dataclass
@@ -451,6 +452,7 @@ class _Ctx:
     valid: dict[str, TVal | None]  # tile axis -> its in-bounds mask (None: always in bounds)
     replace: dict[Expr, Expr]  # mask where-nodes -> what they become in this kind of tile
     variant: bool  # inside the loop body
+    guards: dict[Load, TVal] = field(default_factory=dict)  # loads valid only where their mask holds (guards.py)
 
 
 class KernelBuilder:
@@ -590,16 +592,19 @@ class KernelBuilder:
             return ctx.placeholders[expr]
         variant = self.is_variant(expr, ctx)
         scope = self.scopes[-1] if variant else self.scopes[0]
-        if expr in scope.memo:
-            return scope.memo[expr]
+        # a value computed from masked loads is not the same value outside their guard
+        guarded = tuple(sorted({ctx.guards[n].name for n in walk(expr) if isinstance(n, Load) and n in ctx.guards}))
+        key = (expr, guarded) if guarded else expr
+        if key in scope.memo:
+            return scope.memo[key]
         saved = self.scopes
         if not variant:
             self.scopes = [self.scopes[0]]
         try:
-            out = self._emit(expr, ctx if variant else _Ctx(ctx.values, {}, ctx.valid, {}, False))
+            out = self._emit(expr, ctx if variant else _Ctx(ctx.values, {}, ctx.valid, {}, False, ctx.guards))
         finally:
             self.scopes = saved
-        scope.memo[expr] = out
+        scope.memo[key] = out
         return out
 
     def _emit(self, expr: Expr, ctx: _Ctx) -> TVal:
@@ -633,7 +638,14 @@ class KernelBuilder:
             return self.bin(expr.op, a, b, nonnegative=_nonnegative_index(expr.a) and _nonnegative_index(expr.b))
         if isinstance(expr, Where):
             c = self.emit(expr.cond, ctx)
-            a, b = self.emit(expr.a, ctx), self.emit(expr.b, ctx)
+            taken = guarded_branch(expr.cond, expr.a)
+            if taken is not None:
+                guard = self.to(self.emit(taken.guard, ctx), "bool")
+                a = self.emit(taken.branch, _Ctx(ctx.values, ctx.placeholders, ctx.valid, ctx.replace, ctx.variant,
+                                                 {**ctx.guards, **dict.fromkeys(taken.loads, guard)}))
+            else:
+                a = self.emit(expr.a, ctx)
+            b = self.emit(expr.b, ctx)
             a, b = self._promote(a, b, None)
             c = self.to(c, "bool")
             return self.op("where", self.union(c, a, b), a.dtype, (c, a, b))
@@ -777,12 +789,13 @@ class KernelBuilder:
                 raise UnsupportedProgramError("tile lowering", expr.buffer, "load", "value of a loop member is not available here")
             return self.emit(substitute_index(stage.body, dict(zip(stage.axes, expr.index))), ctx)
         scalar, tile, mask_axes = self.address(expr.buffer, expr.index)
-        tma = self._tma_load(expr, scalar, ctx)
+        guard = ctx.guards.get(expr)
+        tma = self._tma_load(expr, scalar, ctx) if guard is None else None
         if tma is not None:
             return self._widened(tma)
         base = self.emit(scalar, ctx) if scalar is not None else None
         offset = self.emit(tile, ctx) if tile is not None else None
-        mask: TVal | None = None
+        mask: TVal | None = guard
         for axis in self._canon(mask_axes):
             v = ctx.valid.get(axis)
             if v is not None:
