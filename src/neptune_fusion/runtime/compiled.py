@@ -1233,7 +1233,7 @@ def library_outputs_apart(program: Program, sizes: dict[str, int], dtype: str,
 
 def _outputs_program(program: Program, outputs: list[int], returned: dict[str, Stage] | None = None) -> Program:
     """`program` computing only these of its outputs (the stages they need, the inputs those
-    read); a reduction in `returned` is read from the output stage given for it (an input)."""
+    read); a stage in `returned` is read from the output stage given for it (an input)."""
     specs = [program.outputs[j] for j in outputs]
     roots = {o.stage for o in specs}
     stages: list[Any] = list(program.stages)
@@ -1253,17 +1253,16 @@ def _outputs_program(program: Program, outputs: list[int], returned: dict[str, S
 
 def _reading_outputs(program: Program, later: list[int], earlier: list[int],
                      sizes: dict[str, int]) -> tuple[Program, int]:
-    """The program of the outputs `later` reading every reduction it needs that one of the outputs
-    `earlier` returns as it stands (cast, at its own axes: a saved `f16(x @ w)`), and the elements
-    those reductions sum (what reading them saves). The later part then reads the value rounded to
-    the output's dtype, as model code's own tensors hold it."""
+    """The program of the outputs `later` reading every value it needs that one of the outputs
+    `earlier` returns as it stands (cast, at its own axes: a saved `f16(x @ w)` or `f16(silu(g) *
+    u)`), and the elements those values sum or are (what reading them saves). The later part then
+    reads the value rounded to the output's dtype, as model code's own tensors hold it."""
     returned: dict[str, Stage] = {}
     for j in earlier:
         out = program.stage(program.outputs[j].stage)
         body = out.body
         if (isinstance(body, Cast) and isinstance(body.x, Load) and body.x.index == tuple(map(Index, out.axes))
-                and any(st.name == body.x.buffer and st.reduce_op is not None and st.axes == out.axes
-                        for st in program.stages if isinstance(st, Stage))):
+                and any(st.name == body.x.buffer and st.axes == out.axes for st in program.stages if isinstance(st, Stage))):
             returned[body.x.buffer] = out
     part = _outputs_program(program, later, returned)
     read = {b.name for b in part.inputs}

@@ -150,11 +150,12 @@ SAVED_MIN_SUMMED = 600
 
 
 def saves_by_size(program: Program, sizes: Mapping[str, int] | None) -> frozenset[str]:
-    """The reductions the forward saves at these sizes though no input or output spans their axes:
-    those no larger than the call's inputs and outputs together whose recomputation would sum more
-    than `SAVED_MIN_SUMMED` elements each (a projection `x @ w` of a width, or an MLP's hidden
-    activations, as torch's autograd keeps them; not attention's scores over a head dim, nor
-    logits larger than the weight and hidden states together).
+    """The values the forward saves at these sizes though no input or output spans their axes:
+    those no larger than the call's inputs and outputs together that are reductions whose
+    recomputation would sum more than `SAVED_MIN_SUMMED` elements each (a projection `x @ w` of a
+    width, or an MLP's hidden activations, as torch's autograd keeps them; not attention's scores
+    over a head dim, nor logits larger than the weight and hidden states together), or element-wise
+    values such a sum multiplies (the gated activations an MLP's down projection reads).
 
     Example:
         >>> import torch, neptune_fusion as nf
@@ -171,10 +172,15 @@ def saves_by_size(program: Program, sizes: Mapping[str, int] | None) -> frozense
         return frozenset()
     held = sum(math.prod(sizes.get(a, 1) for a in dims if a is not None)
                for dims in [b.dims for b in program.inputs] + [o.dims for o in program.outputs])
+    long = [st for st in program.all_stages() if st.reduce_op is not None and sizes.get(st.reduce_axis, 0) > SAVED_MIN_SUMMED]
+    # an element-wise value a long contraction multiplies (`silu(gate) * up` before an MLP's down
+    # projection) is written whole as that product's operand: saving it costs no more than that.
+    # Not a view (a bare read, a head split): saving what it reads is the same
+    factors = {f.buffer for st in long if st.reduce_op == "sum" and isinstance(st.body, Reduce)
+               for f in product_factors(st.body.body)[0] if isinstance(f, Load)}
     return frozenset(st.name for st in program.all_stages()
-                     if st.reduce_op is not None and not program.holds_as_large(st.axes)
-                     and sizes.get(st.reduce_axis, 0) > SAVED_MIN_SUMMED
-                     and math.prod(sizes.get(a, 1) for a in st.axes) <= held)
+                     if (st in long or st.reduce_op is None and st.name in factors and not isinstance(st.body, Load))
+                     and not program.holds_as_large(st.axes) and math.prod(sizes.get(a, 1) for a in st.axes) <= held)
 
 
 def without_detach(program: Program) -> Program:
@@ -237,7 +243,7 @@ class _Reverse:
                  by_size_dtype: str = "f32") -> None:
         self.program = program
         self.wrt = wrt
-        self.by_size = by_size  # reductions saved at the call's sizes (`saves_by_size`), in `by_size_dtype`
+        self.by_size = by_size  # values saved at the call's sizes (`saves_by_size`), in `by_size_dtype`
         self.by_size_dtype = by_size_dtype
         self.stages = {st.name: st for st in program.all_stages()}
         self.inputs = {b.name: b for b in program.inputs}
@@ -612,18 +618,19 @@ class _Reverse:
 
     def saves(self, stage: Stage) -> bool:
         """Whether the forward saves the value of `stage` for the backward: a reduction no larger
-        than a tensor the program holds (a row statistic) or saved at the call's sizes, where the
-        saved value is the one the backward would compute."""
-        return (stage.reduce_op is not None and (self.program.holds_as_large(stage.axes) or stage.name in self.by_size)
-                and self.saveable(stage))
+        than a tensor the program holds (a row statistic), or a value saved at the call's sizes,
+        where the saved value is the one the backward would compute."""
+        if stage.reduce_op is None:
+            return stage.name in self.by_size
+        return (self.program.holds_as_large(stage.axes) or stage.name in self.by_size) and self.saveable(stage)
 
     def activation(self, name: str) -> bool:
-        """Whether the sum `name` is an activation torch's autograd keeps in the step's dtype (a
-        projection, an MLP's hidden values), not a statistic: no reader divides by it or divides it
+        """Whether the sum or element-wise value `name` is an activation torch's autograd keeps in
+        the step's dtype (a projection, an MLP's hidden values), not a statistic: no reader divides by it or divides it
         (a normaliser, the unnormalised output of an attention, which can overflow 16 bits) or
         takes its log or root (a norm's mean square). A max is a statistic too: rounded, it would
         no longer match the scores the backward recomputes against it."""
-        if self.stages[name].reduce_op != "sum":
+        if self.stages[name].reduce_op not in ("sum", None):
             return False
 
         def scaled(expr: Expr) -> bool:  # reads `name` only through scale-keeping arithmetic
