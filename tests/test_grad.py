@@ -925,6 +925,20 @@ def test_the_operand_of_a_long_down_projection_is_saved_and_written_once() -> No
     assert output_part is not None and f"saved_{gated}[" in output_part.group(1), output_part
 
 
+def test_a_softmaxs_probabilities_are_not_saved_even_where_small() -> None:
+    """Decode-shaped attention over 1024 keys: the probabilities `exp(s - max)` are an element-wise
+    value the long sum over keys multiplies, and small (one query), but computed from a reduction
+    along that same axis: the fused loop keeps them against running statistics and never writes
+    them, so the forward saves nothing and the backward recomputes them tile by tile."""
+    from neptune_fusion.library import attention
+    from neptune_fusion.transform.grad import saves_by_size
+
+    q, k = torch.randn(1, 4, 1, 64), torch.randn(1, 4, 1024, 64)
+    program = attention.trace(q, k, k, 0.125)
+    sizes = {a: n for b, t in zip(program.inputs, (q, k, k)) for a, n in zip(b.dims, t.shape) if a is not None}
+    assert sizes["k"] == 1024 and saves_by_size(program, sizes) == frozenset()
+
+
 def test_the_forward_saves_long_projections_in_the_calls_dtype_and_statistics_in_fp32() -> None:
     """Model-code attention over 1024 tokens of width 1024: the projections (sums over 1024 > 600
     elements, no larger than x) are saved by the forward in fp16 as torch keeps them; the
