@@ -939,6 +939,32 @@ def test_a_softmaxs_probabilities_are_not_saved_even_where_small() -> None:
     assert sizes["k"] == 1024 and saves_by_size(program, sizes) == frozenset()
 
 
+@nf.program
+def _max_of_standardised_odd_columns(x):  # noqa: ANN001, ANN202
+    x = x[:, 1::2]
+    m = x.sum(axis=-1, keepdims=True) / x.shape[-1]
+    return (x / nf.sqrt(((x - m) * (x - m)).sum(axis=-1, keepdims=True) / x.shape[-1] + 1e-5)).max(axis=-1)
+
+
+def test_a_max_gradient_computed_by_torch_tests_ties_against_its_own_max() -> None:
+    """The gradient of a max over a strided slice: the element-wise part writing x's gradient runs
+    on torch, and tests `x / std == max` against the max. An earlier kernel's max is rounded as
+    its arithmetic rounds (torch divides by a number as a product with its reciprocal), and the
+    test found no tie in some rows (their gradient was lost); torch computes the max again
+    there. Gradients as autograd's of the reference executor in float64."""
+    torch.manual_seed(0)
+    x = torch.randn(17, 12, requires_grad=True)
+    out = nf.compile(_max_of_standardised_odd_columns)(x)
+    seed = torch.randn(out.shape)
+    (got,) = torch.autograd.grad(out, x, seed)
+    exact = x.detach().clone().requires_grad_()
+    ref = nf.run_reference(_max_of_standardised_odd_columns.trace(exact),
+                           dict(_max_of_standardised_odd_columns.bind(exact)), dtype=torch.float64)
+    (want,) = torch.autograd.grad(ref, exact, seed.double())
+    torch.testing.assert_close(got.double(), want.double(), rtol=1e-5, atol=1e-5)
+    assert (got != 0).sum(-1).min() > 1  # every row's gradient reaches its max and, through std, the rest
+
+
 def test_the_forward_saves_long_projections_in_the_calls_dtype_and_statistics_in_fp32() -> None:
     """Model-code attention over 1024 tokens of width 1024: the projections (sums over 1024 > 600
     elements, no larger than x) are saved by the forward in fp16 as torch keeps them; the

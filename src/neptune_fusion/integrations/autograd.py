@@ -19,7 +19,7 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -27,7 +27,8 @@ import torch
 from neptune_fusion.analysis.chains import chain_axis
 from neptune_fusion.integrations.ops import argument_kinds, is_eager, run_kernels
 from neptune_fusion.ir.errors import FusionError
-from neptune_fusion.ir.program import Program
+from neptune_fusion.ir.expr import Binary, Load, walk
+from neptune_fusion.ir.program import InputBuffer, Program
 from neptune_fusion.lang.tensor import input_dtype_name
 from neptune_fusion.lang.trace import FixedProgram
 from neptune_fusion.runtime import compiled as _compiled
@@ -52,7 +53,7 @@ from neptune_fusion.schedule.materialise import (
     chunk_length,
     materialise,
 )
-from neptune_fusion.schedule.partition import Group, narrow_materialised, partition_loops
+from neptune_fusion.schedule.partition import Group, narrow_materialised, partition_loops, subprogram
 from neptune_fusion.schedule.templates import Auto
 from neptune_fusion.transform.grad import Gradient, differentiate, grad_name, saves_by_size
 
@@ -71,6 +72,53 @@ class Unfused:
     def __call__(self, **named: Any) -> Any:
         dtype = next(named[b.name].dtype for b in self.program.inputs if named[b.name].is_floating_point())
         return run_reference(self.program, named, out_dtype=dtype)
+
+
+def with_own_maxima(group: Program, whole: Program, earlier: set[str]) -> Program:
+    """`group` (an element-wise part of `whole` that torch runs) computing again each max or min
+    it compares values with (the tie test of a max's gradient), from `whole`'s inputs and the
+    `earlier` groups' results: the test then compares values one executor computed. A kernel's
+    max is rounded as its own arithmetic rounds (torch divides by a number as a product with its
+    reciprocal), so values torch recomputes could miss every tie against it.
+
+    Example:
+        >>> from neptune_fusion.ir.expr import Const, Index, Reduce, Where
+        >>> from neptune_fusion.ir.program import OutputSpec, Stage
+        >>> x = Load("x", (Index("i"), Index("j")))
+        >>> whole = Program("p", (InputBuffer("x", ("i", "j")),), (), (
+        ...     Stage("m", ("i",), Reduce("max", "j", Binary("div", x, Const(3.0)))),
+        ...     Stage("g", ("i", "j"), Where(Binary("eq", Binary("div", x, Const(3.0)), Load("m", (Index("i"),))), Const(1.0), Const(0.0)))),
+        ...     (OutputSpec("g", ("i", "j")),), {"i": ("x", 0), "j": ("x", 1)})
+        >>> group = subprogram(whole, "p_g", [whole.stage("g")], list(whole.outputs), [InputBuffer("m", ("i",))])
+        >>> own = with_own_maxima(group, whole, {"m"})
+        >>> [st.name for st in own.stages], [b.name for b in own.inputs]
+        (['m', 'g'], ['x'])
+    """
+    compared = {n.buffer for st in group.all_stages() for c in walk(st.body) if isinstance(c, Binary) and c.op == "eq"
+                for n in walk(c) if isinstance(n, Load)}
+    stages = {st.name: st for st in whole.all_stages()}
+    maxima = {b.name for b in group.inputs
+              if b.name in compared and b.name in stages and stages[b.name].reduce_op in ("max", "min")}
+    if not maxima:
+        return group
+    picked: set[str] = set()
+    todo = sorted(maxima)
+    while todo:
+        name = todo.pop()
+        if name in picked or name not in stages or (name in earlier and name not in maxima):
+            continue
+        picked.add(name)
+        todo.extend(stages[name].reads())
+    again = [st for st in whole.all_stages() if st.name in picked]
+    own = [st for st in group.all_stages() if st.name not in picked]
+    kept = {b.name for b in whole.inputs}
+    reads = {r for st in again for r in st.reads()}
+    extra = [b for b in group.inputs if b.name not in kept and b.name not in maxima]
+    extra += [InputBuffer(n, stages[n].axes) for n in sorted(reads & earlier - picked - {b.name for b in extra})]
+    part = subprogram(whole, group.name, again + own, list(group.outputs), extra)
+    # the group's own stages may read lengths as parameters already (`partition.size_param`)
+    return replace(part, params=tuple(dict.fromkeys((*part.params, *group.params))),
+                   param_kinds={**group.param_kinds, **part.param_kinds})
 
 
 class Chunked:
@@ -262,9 +310,12 @@ class Kernels:
             sub = group.program
             # an element-wise group written for later kernels (an operand several GEMMs read) is a
             # kernel of ours: what it writes is what they read, in the dtype they multiply in
-            fused = chain_axis(sub) or not all(r.startswith("output:") for r in group.results)
-            self.steps.append((group, InProgramDtype(sub, allow_fallback, {d: narrowed[d][k].program for d in narrowed})
-                               if fused else Unfused(sub)))
+            if chain_axis(sub) or not all(r.startswith("output:") for r in group.results):
+                self.steps.append((group, InProgramDtype(sub, allow_fallback,
+                                                         {d: narrowed[d][k].program for d in narrowed})))
+            else:
+                own = Group(with_own_maxima(sub, program, {r for g in groups[:k] for r in g.results}), group.results)
+                self.steps.append((own, Unfused(own.program)))
         # lengths of axes a kernel reads none of its inputs along, passed to it as parameters
         self.length_params = length_params_of(program, [group.program for group, _ in self.steps])
 
