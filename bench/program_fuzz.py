@@ -8,9 +8,12 @@ the model dimension interleaved by reshapes (split in two, swapped, merged back)
 fp32 and fp16, sizes drawn so no axis need be a multiple of a tile, output widths on both sides of
 the cuBLAS break-even (schedule/library.py). Each against the reference executor.
 
-    TRITON_INTERPRET=1 PYTHONPATH=. python bench/program_fuzz.py SEED COUNT
+    TRITON_INTERPRET=1 PYTHONPATH=. python bench/program_fuzz.py SEED COUNT [cpu [grad]]
     PYTHONPATH=src:. python -m bench.program_fuzz SEED COUNT cuda     (GPU machine: sizes up to
                                                                       4096 x 8192, bf16 too)
+
+With `grad`, each case also runs backward (x, g and w require grad; a random seed gradient) and
+the derived gradients are checked against torch autograd of the reference executor in float64.
 
 Prints each case that fails (an error above tolerance, an exception other than a FusionError),
 each FusionError (a refusal: right, or a fusion missed, to be read), and a summary.
@@ -105,7 +108,23 @@ def make(rng: random.Random) -> tuple[Any, tuple[str, str, str, bool, str]]:
     return nf.program(body), (stat, kind, tail, weighted, view)
 
 
-def main(seed: int, count: int, device: str = "cpu") -> None:
+def gradient_error(prog: Any, leaves: tuple[Any, ...], out: Any) -> float:
+    """The largest relative error of the gradients of x, g, w through `out` (nf's) against torch
+    autograd of the reference executor in float64, for one random seed gradient."""
+    seed = torch.randn(out.shape, device=out.device)
+    got = torch.autograd.grad(out, leaves, seed.to(out.dtype), allow_unused=True)
+    exact = tuple(t.detach().float().requires_grad_() for t in leaves)  # computed in float64 by the executor
+    ref = nf.run_reference(prog.trace(*exact), dict(prog.bind(*exact)), dtype=torch.float64)
+    want = torch.autograd.grad(ref, exact, seed.to(ref.dtype), allow_unused=True)
+    err = 0.0
+    for a, b in zip(got, want):
+        a = torch.zeros_like(b) if a is None else a.double()
+        b = torch.zeros_like(a) if b is None else b
+        err = max(err, (a - b).abs().max().item() / (b.abs().max().item() + 1e-6))
+    return err
+
+
+def main(seed: int, count: int, device: str = "cpu", mode: str = "forward") -> None:
     rng = random.Random(seed)
     bad = refused = 0
     gpu = device != "cpu"
@@ -123,10 +142,15 @@ def main(seed: int, count: int, device: str = "cpu") -> None:
         w = (torch.randn(k, n, device=device) * k ** -0.5).to(dtype)
         label = f"{case} {what} {(m, k, n)} {dtype}"
         try:
-            out = nf.compile(prog)(x, g, w)
-            floats = tuple(t.float() for t in (x, g, w))
+            leaves = tuple(t.requires_grad_(mode == "grad") for t in (x, g, w))
+            out = nf.compile(prog)(*leaves)
+            floats = tuple(t.detach().float() for t in (x, g, w))
             ref = nf.run_reference(prog.trace(*floats), dict(prog.bind(*floats))).double()
-            err = (out.double() - ref).abs().max().item() / (ref.abs().max().item() + 1e-6)
+            err = (out.detach().double() - ref).abs().max().item() / (ref.abs().max().item() + 1e-6)
+            if mode == "grad":
+                grad_err = gradient_error(prog, leaves, out)
+                label += f" (gradients {grad_err:.1e})"
+                err = max(err, grad_err)
             if not err <= tolerance[dtype]:
                 bad += 1
                 print("BAD", label, f"err {err:.2e}", flush=True)
@@ -140,4 +164,4 @@ def main(seed: int, count: int, device: str = "cpu") -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), *sys.argv[3:4])
+    main(int(sys.argv[1]), int(sys.argv[2]), *sys.argv[3:5])

@@ -20,7 +20,7 @@ from bench.block_step import mlp, self_attention
 from bench.sweep import stand_in_h200
 from neptune_fusion.runtime import compiled
 
-FIELDS = ("kernel", "backend", "blocks", "warps", "stages", "registers", "spill_bytes", "shared")
+FIELDS = ("kernel", "backend", "blocks", "warps", "stages", "registers", "spill_bytes", "shared", "global_accesses")
 
 
 def main() -> None:

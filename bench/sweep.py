@@ -268,6 +268,23 @@ def register_usage(cubin: bytes) -> tuple[int, int]:
     return int(found.group(1)), int(found.group(2))
 
 
+def global_accesses(ptx: str) -> dict[str, int]:
+    """Global loads and stores of a kernel's PTX by width (`ld.v4`: four 32-bit words at once; a
+    plain `ld.b16` is one element a lane, what a read at a computed address compiles to).
+
+    Example:
+        >>> global_accesses("ld.global.v4.b32 {%r1,%r2,%r3,%r4}, [%rd1]; @%p1 ld.global.b16 %rs1, [%rd2];")
+        {'ld.b16': 1, 'ld.v4': 1}
+    """
+    counts: dict[str, int] = {}
+    for op, suffix in re.findall(r"\b(ld|st)\.global((?:\.[\w:]+)*)", ptx):
+        parts = suffix.split(".")[1:]
+        vector = next((p for p in parts if re.fullmatch(r"v[248]", p)), None)
+        key = f"{op}.{vector or parts[-1]}"
+        counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items()))
+
+
 def compile_for_sm90(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Triton's compiled kernel of the JIT function `fn` for these launch arguments, for sm_90,
     specialised as `fn[grid](*args, **kwargs)` would be on an H200 (no GPU used)."""
@@ -343,7 +360,7 @@ def stand_in_h200(record: list[dict[str, Any]]) -> Iterator[None]:
         seconds = time.perf_counter() - start
         regs, stack = register_usage(kernel.asm["cubin"])
         record.append({**_describe(self), "shared": kernel.metadata.shared, "registers": regs, "spill_bytes": stack,
-                       "compile_s": round(seconds, 2)})
+                       "global_accesses": global_accesses(kernel.asm["ptx"]), "compile_s": round(seconds, 2)})
         if kernel.metadata.shared > H200_SHARED_BYTES:
             raise OutOfResources(kernel.metadata.shared, H200_SHARED_BYTES, "shared memory")
 
