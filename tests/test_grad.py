@@ -926,6 +926,8 @@ def test_the_operand_of_a_long_down_projection_is_saved_and_written_once() -> No
     down = re.search(r"=== kernel \d of \d \(\w+_out0\): library contraction ===\n.*\n(.*)\n(.*)\n", explained)
     assert down is not None and {down.group(1), down.group(2)} == {
         f"operand 0: input 'saved_{gated}'", "operand 1: input 'down'"}, explained[:3000]
+    # and the part computing the gated value reads the projection the forward saves, not a copy
+    assert "__mat_dot0" not in explained and re.search(r"program \w+\(saved_dot0\[a, z\]\):", explained)
 
 
 def test_a_softmaxs_probabilities_are_not_saved_even_where_small() -> None:
@@ -966,6 +968,33 @@ def test_a_max_gradient_computed_by_torch_tests_ties_against_its_own_max() -> No
     (want,) = torch.autograd.grad(ref, exact, seed.double())
     torch.testing.assert_close(got.double(), want.double(), rtol=1e-5, atol=1e-5)
     assert (got != 0).sum(-1).min() > 1  # every row's gradient reaches its max and, through std, the rest
+
+
+def _projected_attention(x, wq, wk, wv, wo):  # noqa: ANN001, ANN202 - heads of 128, an output projection
+    t, d = x.shape
+    q, k, v = (torch.nn.functional.linear(x, w).view(t, d // 128, 128).transpose(0, 1) for w in (wq, wk, wv))
+    o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return torch.nn.functional.linear(o.transpose(0, 1).reshape(t, d), wo)
+
+
+def test_a_later_part_reads_the_statistics_the_forward_returns_not_copies_of_them() -> None:
+    """Model-code attention over 640 tokens with an output projection of width 640: the training
+    forward saves the attention's statistics (sums over 640 keys, fp32) and the normalised output
+    the projection multiplies (fp16). That output needs the statistics finished, so a later kernel
+    computes it, reading the saved statistics as the earlier kernel returned them: nothing is
+    written twice, and nothing it divides is rounded to 16 bits. The forward's output as torch's."""
+    torch.manual_seed(0)
+    args = [torch.randn(640, 640)] + [torch.randn(640, 640) / 640**0.5 for _ in range(4)]
+    fn = nf.compile(_projected_attention)
+    leaves = [a.half().requires_grad_() for a in args]
+    out = fn(*leaves)
+    torch.testing.assert_close(out.float(), _projected_attention(*args), rtol=2e-2, atol=2e-2)
+    (derived,) = fn.training.values()
+    assert {"max0", "sum0"} <= set(derived.gradient.saved), derived.gradient.saved
+    explained = nf.explain(derived.forward, *[a.detach() for a in leaves])
+    later = set(re.findall(r"program \w+_part2\((.*)\):", explained))
+    assert later and all(re.fullmatch(r"(saved_\w+\[[\w, ]+\](, )?)+", inputs) for inputs in later), later
+    assert "__mat_" not in explained
 
 
 def test_the_forward_saves_long_projections_in_the_calls_dtype_and_statistics_in_fp32() -> None:

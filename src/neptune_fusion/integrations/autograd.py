@@ -346,9 +346,10 @@ class Kernels:
             example = next(iter(named.values()))
             written = fn.result_dtypes(group, dtype) if isinstance(fn, InProgramDtype) else {}
             for name in group.results:
-                if not name.startswith("output:"):
-                    shape = [sizes[a] for a in self.program.stage(name).axes]
-                    pool[name] = torch.empty(shape, dtype=written.get(name, torch.float32), device=example.device)
+                # an output a later kernel reads (`partition._split`) goes by its stage's name there
+                key = self.program.outputs[int(name.split(":")[1])].stage if name.startswith("output:") else name
+                shape = [sizes[a] for a in self.program.stage(key).axes]
+                pool[key] = torch.empty(shape, dtype=written.get(name, torch.float32), device=example.device)
         if failed:
             self._chunk([k for k, _ in failed], sizes, named, failed[0][1])
 
@@ -389,6 +390,8 @@ class Kernels:
             for name, value in zip(group.results, result if isinstance(result, tuple) else (result,)):
                 if name.startswith("output:"):
                     outs[int(name.split(":")[1])] = value
+                    # read by its stage's name where a later kernel reads it (`partition._split`)
+                    pool[self.program.outputs[int(name.split(":")[1])].stage] = value
                 elif value.dtype != written.get(name, torch.float32) or not value.is_contiguous():
                     # the later kernels were compiled for contiguous tensors of that dtype (`prepare`):
                     # their strides are fixed

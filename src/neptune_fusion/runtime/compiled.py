@@ -1226,9 +1226,34 @@ def library_outputs_apart(program: Program, sizes: dict[str, int], dtype: str,
             orders = [((rest, [j]), _reading_outputs(program, [j], rest, sizes)),
                       (([j], rest), _reading_outputs(program, rest, [j], sizes))]
             (first, second), (later, _) = max(orders, key=lambda order: order[1][1])
-            return [Group(_outputs_program(program, first), tuple(f"output:{i}" for i in first)),
+            return [*(Group(_outputs_program(program, part), tuple(f"output:{i}" for i in part))
+                      for part in _independent_outputs(program, first)),
                     Group(later, tuple(f"output:{i}" for i in second))]
     return None
+
+
+def _independent_outputs(program: Program, outputs: list[int]) -> list[list[int]]:
+    """`outputs` in clusters that share a stage or an input: outputs of different clusters share
+    nothing one kernel could reuse (a norm's statistic of x and a gated activation of a saved
+    projection), so each runs as a kernel tiled for itself, not as the second pass of another's.
+
+    Example:
+        >>> import neptune_fusion as nf
+        >>> @nf.program
+        ... def two_rows(x, y):
+        ...     return x.sum(axis=-1), y.max(axis=-1), x.max(axis=-1)
+        >>> _independent_outputs(two_rows.trace(torch.randn(4, 8), torch.randn(4, 8)), [0, 1, 2])
+        [[0, 2], [1]]
+    """
+    stages = [st for st in program.stages if isinstance(st, Stage)]
+    reads = {j: {st.name for st in needed_stages(stages, {program.outputs[j].stage})} for j in outputs}
+    reads = {j: names | {r for st in stages if st.name in names for r in st.reads()} for j, names in reads.items()}
+    clusters: list[tuple[list[int], set[str]]] = []
+    for j in outputs:
+        joined = [c for c in clusters if c[1] & reads[j]]
+        merged = ([k for c in joined for k in c[0]] + [j], set().union(reads[j], *(c[1] for c in joined)))
+        clusters = [c for c in clusters if all(c is not d for d in joined)] + [merged]
+    return sorted(sorted(c[0]) for c in clusters)
 
 
 def _outputs_program(program: Program, outputs: list[int], returned: dict[str, Stage] | None = None) -> Program:

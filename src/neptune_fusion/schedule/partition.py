@@ -381,6 +381,13 @@ def _split(program: Program, late: set[str]) -> tuple[Group, Group]:
     outputs = list(enumerate(program.outputs))
     early_out = [(j, o) for j, o in outputs if o.stage not in late]
     late_out = [(j, o) for j, o in outputs if o.stage in late]
+    # a reduction the first part returns as it stands (cast at its own axes: a training forward's
+    # saved statistic in fp32, a saved projection in its 16-bit dtype, as model code's own tensor
+    # holds it) is read from that output, known by its stage's name, not written twice
+    returned = {body.x.buffer: o.stage for _, o in early_out
+                if isinstance(body := stages[o.stage].body, Cast) and isinstance(body.x, Load)
+                and body.x.buffer in boundary and body.x.index == tuple(Index(a) for a in stages[o.stage].axes)}
+    boundary = [n for n in boundary if n not in returned]
     taken = set(stages)  # a part of a part may already write `__mat_n` for the groups after its whole
     mats = [Stage(_fresh(f"{MATERIALISED_PREFIX}{n}", taken), stages[n].axes,
                   Cast(Load(n, tuple(Index(a) for a in stages[n].axes)), "f32")) for n in boundary]
@@ -388,8 +395,14 @@ def _split(program: Program, late: set[str]) -> tuple[Group, Group]:
     first_stages = needed_stages([st for st in program.stages if isinstance(st, Stage) and st.name not in late] + mats,
                            {o.stage for o in first_outputs})
     first = subprogram(program, f"{program.name}_part1", first_stages, first_outputs, [])
-    second_stages = [st for st in program.stages if isinstance(st, Stage) and (st.name in late or st.name in copied)]
+
+    def read_returned(node: Expr) -> Expr | None:
+        return Load(returned[node.buffer], node.index) if isinstance(node, Load) and node.buffer in returned else None
+
+    second_stages = [replace(st, body=transform_bottom_up(st.body, read_returned)) for st in program.stages
+                     if isinstance(st, Stage) and (st.name in late or st.name in copied)]
     mat_inputs = [InputBuffer(n, stages[n].axes) for n in boundary]
+    mat_inputs += [InputBuffer(out, stages[out].axes) for out in returned.values()]
     second = subprogram(program, f"{program.name}_part2", second_stages, [o for _, o in late_out], mat_inputs)
     return (Group(first, tuple(f"output:{j}" for j, _ in early_out) + tuple(boundary)),
             Group(second, tuple(f"output:{j}" for j, _ in late_out)))
