@@ -997,6 +997,27 @@ def test_a_later_part_reads_the_statistics_the_forward_returns_not_copies_of_the
     assert "__mat_" not in explained
 
 
+@nf.program
+def _scaled_by_the_mean_of_all(x):  # noqa: ANN001, ANN202
+    return (nf.exp(x * 0.1) * (x.sum() / (x.shape[0] * x.shape[1]))).sum(axis=0)
+
+
+def test_the_gradient_of_a_mean_of_everything_spreads_over_x_in_a_kernel_of_its_own() -> None:
+    """x's gradient reads a sum over all of x (a value of no axes) and is wider than it by both of
+    x's axes: the backward kernel that sums it cannot also write that output (at most one axis
+    beyond the loop's reductions), so the output follows in a later element-wise kernel. It was
+    refused at the forward call. Gradients as autograd's of the reference executor in float64."""
+    torch.manual_seed(0)
+    x = torch.randn(39, 65, requires_grad=True)
+    out = nf.compile(_scaled_by_the_mean_of_all)(x)
+    seed = torch.randn(out.shape)
+    (got,) = torch.autograd.grad(out, x, seed)
+    exact = x.detach().clone().requires_grad_()
+    ref = nf.run_reference(_scaled_by_the_mean_of_all.trace(exact), {"x": exact}, dtype=torch.float64)
+    (want,) = torch.autograd.grad(ref, exact, seed.double())
+    torch.testing.assert_close(got.double(), want.double(), rtol=1e-5, atol=1e-6)
+
+
 def test_the_forward_saves_long_projections_in_the_calls_dtype_and_statistics_in_fp32() -> None:
     """Model-code attention over 1024 tokens of width 1024: the projections (sums over 1024 > 600
     elements, no larger than x) are saved by the forward in fp16 as torch keeps them; the

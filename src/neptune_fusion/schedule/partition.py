@@ -156,9 +156,10 @@ def _wide_outputs(program: Program) -> tuple[set[str], str] | None:
     """(outputs for a later group, why) where an output has more than one axis beyond the axes of
     the main chain's reductions (`x.sum() * y`): the fused loop's kernel writes at most one such
     axis (a second pass over its loop axis, or one more axis after the loop). A later kernel
-    reads the reductions materialised and writes the output (an element-wise program)."""
-    axis = chain_axis(program)
-    if axis is None or program.loop_axis is not None:
+    reads the reductions materialised and writes the output (an element-wise program). Also in a
+    backward's kernel whose loop `partition_loops` chose (`x.mean()`'s gradient, spread over x)."""
+    axis = program.loop_axis or chain_axis(program)
+    if axis is None:
         return None
     covered = set().union(*(st.axes for st in _reductions(program) if st.reduce_axis == axis))
     wide = {o.stage for o in program.outputs if len(set(program.stage(o.stage).axes) - covered) > 1}
