@@ -120,7 +120,8 @@ def gradient_error(prog: Any, leaves: tuple[Any, ...], out: Any) -> float:
     for a, b in zip(got, want):
         a = torch.zeros_like(b) if a is None else a.double()
         b = torch.zeros_like(a) if b is None else b
-        err = max(err, (a - b).abs().max().item() / (b.abs().max().item() + 1e-6))
+        # floored: a gradient that is zero analytically (of a softmax's sum) is rounding noise
+        err = max(err, (a - b).abs().max().item() / max(b.abs().max().item(), 1e-4))
     return err
 
 
