@@ -944,6 +944,20 @@ def test_a_softmaxs_probabilities_are_not_saved_even_where_small() -> None:
     assert sizes["k"] == 1024 and saves_by_size(program, sizes) == frozenset()
 
 
+def _gradient_and_reference(program, shape):  # noqa: ANN001, ANN202
+    """x's gradient through `nf.compile(program)` for a random x of `shape` and a random seed, and
+    autograd's through the reference executor in float64."""
+    torch.manual_seed(0)
+    x = torch.randn(*shape, requires_grad=True)
+    out = nf.compile(program)(x)
+    seed = torch.randn(out.shape)
+    (got,) = torch.autograd.grad(out, x, seed)
+    exact = x.detach().clone().requires_grad_()
+    ref = nf.run_reference(program.trace(exact), dict(program.bind(exact)), dtype=torch.float64)
+    (want,) = torch.autograd.grad(ref, exact, seed.double())
+    return got, want
+
+
 @nf.program
 def _max_of_standardised_odd_columns(x):  # noqa: ANN001, ANN202
     x = x[:, 1::2]
@@ -957,15 +971,7 @@ def test_a_max_gradient_computed_by_torch_tests_ties_against_its_own_max() -> No
     its arithmetic rounds (torch divides by a number as a product with its reciprocal), and the
     test found no tie in some rows (their gradient was lost); torch computes the max again
     there. Gradients as autograd's of the reference executor in float64."""
-    torch.manual_seed(0)
-    x = torch.randn(17, 12, requires_grad=True)
-    out = nf.compile(_max_of_standardised_odd_columns)(x)
-    seed = torch.randn(out.shape)
-    (got,) = torch.autograd.grad(out, x, seed)
-    exact = x.detach().clone().requires_grad_()
-    ref = nf.run_reference(_max_of_standardised_odd_columns.trace(exact),
-                           dict(_max_of_standardised_odd_columns.bind(exact)), dtype=torch.float64)
-    (want,) = torch.autograd.grad(ref, exact, seed.double())
+    got, want = _gradient_and_reference(_max_of_standardised_odd_columns, (17, 12))
     torch.testing.assert_close(got.double(), want.double(), rtol=1e-5, atol=1e-5)
     assert (got != 0).sum(-1).min() > 1  # every row's gradient reaches its max and, through std, the rest
 
@@ -1007,14 +1013,7 @@ def test_the_gradient_of_a_mean_of_everything_spreads_over_x_in_a_kernel_of_its_
     x's axes: the backward kernel that sums it cannot also write that output (at most one axis
     beyond the loop's reductions), so the output follows in a later element-wise kernel. It was
     refused at the forward call. Gradients as autograd's of the reference executor in float64."""
-    torch.manual_seed(0)
-    x = torch.randn(39, 65, requires_grad=True)
-    out = nf.compile(_scaled_by_the_mean_of_all)(x)
-    seed = torch.randn(out.shape)
-    (got,) = torch.autograd.grad(out, x, seed)
-    exact = x.detach().clone().requires_grad_()
-    ref = nf.run_reference(_scaled_by_the_mean_of_all.trace(exact), {"x": exact}, dtype=torch.float64)
-    (want,) = torch.autograd.grad(ref, exact, seed.double())
+    got, want = _gradient_and_reference(_scaled_by_the_mean_of_all, (39, 65))
     torch.testing.assert_close(got.double(), want.double(), rtol=1e-5, atol=1e-6)
 
 

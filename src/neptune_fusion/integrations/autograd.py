@@ -319,6 +319,10 @@ class Kernels:
         # lengths of axes a kernel reads none of its inputs along, passed to it as parameters
         self.length_params = length_params_of(program, [group.program for group, _ in self.steps])
 
+    def _output_stage(self, result: str) -> str:
+        """The stage name of the result `output:<j>`."""
+        return self.program.outputs[int(result.split(":")[1])].stage
+
     def dtype(self, named: dict[str, Any]) -> str:
         """The dtype the program multiplies in: its first float input's (the forward's dtype), for
         every kernel, whatever fp32 pools of the earlier kernels it reads."""
@@ -347,7 +351,7 @@ class Kernels:
             written = fn.result_dtypes(group, dtype) if isinstance(fn, InProgramDtype) else {}
             for name in group.results:
                 # an output a later kernel reads (`partition._split`) goes by its stage's name there
-                key = self.program.outputs[int(name.split(":")[1])].stage if name.startswith("output:") else name
+                key = self._output_stage(name) if name.startswith("output:") else name
                 shape = [sizes[a] for a in self.program.stage(key).axes]
                 pool[key] = torch.empty(shape, dtype=written.get(name, torch.float32), device=example.device)
         if failed:
@@ -390,8 +394,7 @@ class Kernels:
             for name, value in zip(group.results, result if isinstance(result, tuple) else (result,)):
                 if name.startswith("output:"):
                     outs[int(name.split(":")[1])] = value
-                    # read by its stage's name where a later kernel reads it (`partition._split`)
-                    pool[self.program.outputs[int(name.split(":")[1])].stage] = value
+                    pool[self._output_stage(name)] = value  # a later kernel may read it by that name
                 elif value.dtype != written.get(name, torch.float32) or not value.is_contiguous():
                     # the later kernels were compiled for contiguous tensors of that dtype (`prepare`):
                     # their strides are fixed

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterator, Union
+from typing import Callable, Iterator, Mapping, Union
 
 Number = Union[int, float, bool]
 
@@ -301,6 +301,17 @@ def substitute_index(expr: Expr, mapping: dict[str, Expr]) -> Expr:
     if not kids:
         return expr
     return rebuild(expr, tuple(substitute_index(k, mapping) for k in kids))
+
+
+def rename_reads(expr: Expr, names: Mapping[str, str]) -> Expr:
+    """`expr` reading each buffer in `names` under its new name, at the same indices.
+
+    Example:
+        >>> rename_reads(Load("x", (Index("i"),)), {"x": "saved_x"})
+        Load(buffer='saved_x', index=(Index(axis='i'),))
+    """
+    return transform_bottom_up(
+        expr, lambda node: Load(names[node.buffer], node.index) if isinstance(node, Load) and node.buffer in names else None)
 
 
 def simplify(expr: Expr) -> Expr:

@@ -36,7 +36,7 @@ from neptune_fusion.codegen.gluon_source import GLUON_LOOP_TILES, consumer_regis
 from neptune_fusion.codegen.gluon_source import ROW_BLOCK as GLUON_ROW_BLOCK
 from neptune_fusion.codegen.triton_source import generate
 from neptune_fusion.ir.errors import FusionError, UnsupportedProgramError
-from neptune_fusion.ir.expr import Cast, Expr, Index, Load, Reduce, free_axes, transform_bottom_up, walk
+from neptune_fusion.ir.expr import Cast, Index, Load, Reduce, free_axes, rename_reads, walk
 from neptune_fusion.ir.program import FusedLoop, InputBuffer, Program, Stage
 from neptune_fusion.lang.tensor import input_dtype_name
 from neptune_fusion.lang.trace import ProgramDef
@@ -1267,12 +1267,9 @@ def _outputs_program(program: Program, outputs: list[int], returned: dict[str, S
         needed = {st.name for st in needed_stages(stages, roots)}
         use = {r: out for r, out in returned.items() if r in needed}
         given = {out.name for out in use.values()}  # inputs now, not stages computed again
-
-        def read_returned(node: Expr) -> Expr | None:
-            # read from the input itself (no stage aliasing it), so a GEMM's operand is an input as it stands
-            return Load(use[node.buffer].name, node.index) if isinstance(node, Load) and node.buffer in use else None
-
-        stages = [replace(st, body=transform_bottom_up(st.body, read_returned)) if isinstance(st, Stage) else st
+        # read from the input itself (no stage aliasing it), so a GEMM's operand is an input as it stands
+        renamed = {r: out.name for r, out in use.items()}
+        stages = [replace(st, body=rename_reads(st.body, renamed)) if isinstance(st, Stage) else st
                   for st in stages if st.name not in given and st.name not in use]
         extra = [InputBuffer(out.name, out.axes) for out in use.values()]
     stages = needed_stages(stages, roots)

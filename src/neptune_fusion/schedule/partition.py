@@ -43,6 +43,7 @@ from neptune_fusion.ir.expr import (
     Where,
     free_axes,
     product_factors,
+    rename_reads,
     substitute_index,
     transform_bottom_up,
     walk,
@@ -396,11 +397,7 @@ def _split(program: Program, late: set[str]) -> tuple[Group, Group]:
     first_stages = needed_stages([st for st in program.stages if isinstance(st, Stage) and st.name not in late] + mats,
                            {o.stage for o in first_outputs})
     first = subprogram(program, f"{program.name}_part1", first_stages, first_outputs, [])
-
-    def read_returned(node: Expr) -> Expr | None:
-        return Load(returned[node.buffer], node.index) if isinstance(node, Load) and node.buffer in returned else None
-
-    second_stages = [replace(st, body=transform_bottom_up(st.body, read_returned)) for st in program.stages
+    second_stages = [replace(st, body=rename_reads(st.body, returned)) for st in program.stages
                      if isinstance(st, Stage) and (st.name in late or st.name in copied)]
     mat_inputs = [InputBuffer(n, stages[n].axes) for n in boundary]
     mat_inputs += [InputBuffer(out, stages[out].axes) for out in returned.values()]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from neptune_fusion.analysis.masks import conjuncts
 from neptune_fusion.ir.expr import Binary, Const, Expr, Index, Load, Size, simplify, transform_bottom_up, walk
 
 
@@ -24,28 +25,29 @@ class GuardedBranch:
     loads: frozenset[Load]
 
 
-def _conjuncts(cond: Expr) -> list[Expr]:
-    if isinstance(cond, Binary) and cond.op == "and":
-        return _conjuncts(cond.a) + _conjuncts(cond.b)
-    return [cond]
-
-
 def _is_zero(expr: Expr) -> bool:
     return isinstance(expr, Const) and expr.value == 0 and not isinstance(expr.value, bool)
 
 
-def _known_nonnegative(expr: Expr) -> bool:
+def nonnegative_index(expr: Expr) -> bool:
+    """Whether `expr` is integer index arithmetic known not to be negative: axes, sizes and
+    non-negative integers under +, *, // and %.
+
+    Example:
+        >>> nonnegative_index(Binary("floordiv", Index("h"), Const(4))), nonnegative_index(Binary("sub", Index("z"), Const(8)))
+        (True, False)
+    """
     if isinstance(expr, (Index, Size)):
         return True
     if isinstance(expr, Const):
         return isinstance(expr.value, int) and not isinstance(expr.value, bool) and expr.value >= 0
     return (isinstance(expr, Binary) and expr.op in ("add", "mul", "floordiv", "mod")
-            and _known_nonnegative(expr.a) and _known_nonnegative(expr.b))
+            and nonnegative_index(expr.a) and nonnegative_index(expr.b))
 
 
 def _lower_bound(value: Expr, facts: list[Expr]) -> list[Expr] | None:
     """The conjuncts that prove `value >= 0` ([] where it holds by structure), or None."""
-    if _known_nonnegative(value):
+    if nonnegative_index(value):
         return []
     for fact in facts:
         if isinstance(fact, Binary) and ((fact.op == "ge" and simplify(fact.a) == value and _is_zero(fact.b))
@@ -72,7 +74,7 @@ def guarded_branch(cond: Expr, branch: Expr) -> GuardedBranch | None:
         >>> format_expr(guarded_branch(Binary("lt", z, Const(8)), Load("x", (Binary("mod", Binary("sub", z, Const(0)), Const(8)),))).branch)
         'x[z]'
     """
-    facts = _conjuncts(cond)
+    facts = conjuncts(cond)
     bounded: dict[tuple[Expr, Expr], list[Expr]] = {}
     for fact in facts:
         if isinstance(fact, Binary) and fact.op in ("lt", "gt"):

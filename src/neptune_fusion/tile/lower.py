@@ -56,7 +56,7 @@ from neptune_fusion.ir.expr import (
 from neptune_fusion.ir.program import FusedLoop, Program, Stage
 from neptune_fusion.schedule.pipeline import SPLIT_AXIS
 from neptune_fusion.schedule.tiles import AxisTiling, choose_tiling, sums_loaded_products
-from neptune_fusion.tile.guards import guarded_branch
+from neptune_fusion.tile.guards import guarded_branch, nonnegative_index
 from neptune_fusion.tile.ir import (
     ArgSource,
     Assign,
@@ -190,22 +190,6 @@ def descriptor_hazards(program: Program) -> frozenset[str]:
             if computed and not any(needs_a_dot(f) for f in computed):
                 found |= {_plain_input_load(f, inputs) for f in plain} - {None}
     return frozenset(found)
-
-
-def _nonnegative_index(expr: Expr) -> bool:
-    """Whether `expr` is integer index arithmetic known not to be negative: axes, sizes and
-    non-negative integers under +, *, // and %.
-
-    Example:
-        >>> _nonnegative_index(Binary("floordiv", Index("h"), Const(4))), _nonnegative_index(Binary("sub", Index("z"), Const(8)))
-        (True, False)
-    """
-    if isinstance(expr, (Index, Size)):
-        return True
-    if isinstance(expr, Const):
-        return isinstance(expr.value, int) and not isinstance(expr.value, bool) and expr.value >= 0
-    return (isinstance(expr, Binary) and expr.op in ("add", "mul", "floordiv", "mod")
-            and _nonnegative_index(expr.a) and _nonnegative_index(expr.b))
 
 
 def _product_factors(expr: Expr) -> list[Expr]:
@@ -593,7 +577,8 @@ class KernelBuilder:
         variant = self.is_variant(expr, ctx)
         scope = self.scopes[-1] if variant else self.scopes[0]
         # a value computed from masked loads is not the same value outside their guard
-        guarded = tuple(sorted({ctx.guards[n].name for n in walk(expr) if isinstance(n, Load) and n in ctx.guards}))
+        guarded = () if not ctx.guards else tuple(sorted(
+            {ctx.guards[n].name for n in walk(expr) if isinstance(n, Load) and n in ctx.guards}))
         key = (expr, guarded) if guarded else expr
         if key in scope.memo:
             return scope.memo[key]
@@ -635,7 +620,7 @@ class KernelBuilder:
                 power = self._power(expr, ctx)
                 return power if power is not None else self._general_power(expr, ctx)
             a, b = self.emit(expr.a, ctx), self.emit(expr.b, ctx)
-            return self.bin(expr.op, a, b, nonnegative=_nonnegative_index(expr.a) and _nonnegative_index(expr.b))
+            return self.bin(expr.op, a, b, nonnegative=nonnegative_index(expr.a) and nonnegative_index(expr.b))
         if isinstance(expr, Where):
             c = self.emit(expr.cond, ctx)
             taken = guarded_branch(expr.cond, expr.a)

@@ -172,17 +172,18 @@ def saves_by_size(program: Program, sizes: Mapping[str, int] | None) -> frozense
         return frozenset()
     held = sum(math.prod(sizes.get(a, 1) for a in dims if a is not None)
                for dims in [b.dims for b in program.inputs] + [o.dims for o in program.outputs])
-    long = [st for st in program.all_stages() if st.reduce_op is not None and sizes.get(st.reduce_axis, 0) > SAVED_MIN_SUMMED]
+    long = {st.name: st for st in program.all_stages()
+            if st.reduce_op is not None and sizes.get(st.reduce_axis, 0) > SAVED_MIN_SUMMED}
     # an element-wise value a long contraction multiplies (`silu(gate) * up` before an MLP's down
     # projection) is written whole as that product's operand: saving it costs no more than that.
     # Not a view (a bare read, a head split): saving what it reads is the same. Not one computed
     # from a reduction along the summed axis (a softmax's probabilities): the fused loop keeps it
     # against running statistics and never writes it
-    factors = {f.buffer for st in long if st.reduce_op == "sum" and isinstance(st.body, Reduce)
+    factors = {f.buffer for st in long.values() if st.reduce_op == "sum" and isinstance(st.body, Reduce)
                for f in product_factors(st.body.body)[0]
                if isinstance(f, Load) and st.reduce_axis not in _summed_before(program, f.buffer)}
     return frozenset(st.name for st in program.all_stages()
-                     if (st in long or st.reduce_op is None and st.name in factors and not isinstance(st.body, Load))
+                     if (st.name in long or st.reduce_op is None and st.name in factors and not isinstance(st.body, Load))
                      and not program.holds_as_large(st.axes) and math.prod(sizes.get(a, 1) for a in st.axes) <= held)
 
 
