@@ -405,25 +405,48 @@ def test_broadcast_size_mismatch_is_a_clear_value_error(randn):
         nokeep_square.trace(randn(4, 5))
 
 
-def test_broadcast_identifying_two_axes_is_refused(randn):
-    with pytest.raises(ValueError, match="indexes the same axis twice|reduces over axis .* also indexes"):
-        nokeep_square.trace(randn(4, 4))
+def test_two_axes_of_one_size_stay_apart(randn):
+    # torch's meaning wherever two different axes of one size meet: a square weight's rows and
+    # columns (`x + x @ w`, `(x @ w) @ w`), a tensor beside its transpose, an outer product of a
+    # tensor with itself, row maxima broadcast along the columns of a square x
+    @nf.program
+    def residual(x, w):
+        return torch.softmax(x @ w + x, -1)
+
+    @nf.program
+    def symmetric(h):
+        return h + h.T
 
     @nf.program
     def outer(x):
-        return x[:, None] * x[None, :]  # one symbolic tensor along two axes: unsupported
+        return x[:, None] * x[None, :]
 
-    with pytest.raises(ValueError, match="indexes the same axis twice"):
-        outer.trace(randn(4))
+    x, w, h, v = randn(3, 4), randn(4, 4), randn(4, 4), randn(4)
+    cases = [(residual, (x, w), torch.softmax(x @ w + x, -1)), (symmetric, (h,), h + h.T),
+             (outer, (v,), v[:, None] * v[None, :]), (nokeep_square, (h,), h - h.max(-1).values),
+             (square_twice, (x, w), x @ w @ w)]
+    for prog, args, want in cases:
+        got = nf.run_reference(prog.trace(*args), dict(prog.bind(*args)))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(nf.compile(residual)(x, w), torch.softmax(x @ w + x, -1), rtol=1e-5, atol=1e-5)
 
 
-def test_reduction_over_an_axis_identified_with_a_spatial_one_is_refused(randn):
-    # (x @ w) @ w with a square w identifies w's two dims; tracing must not compute a diagonal
-    with pytest.raises(ValueError, match="reduces over axis"):
-        square_twice.trace(randn(3, 4), randn(4, 4))
-    x, w = randn(3, 4), randn(4, 5)
+def test_a_square_weight_between_its_own_axes_gets_gradients(randn):
+    # `x + x @ w` (a residual around a square projection): the gradients of x and w are torch's
+    def block(x, w):
+        return torch.nn.functional.silu(x + x @ w).sum(-1)
+
+    x, w = randn(5, 6).requires_grad_(), randn(6, 6).requires_grad_()
+    seed = torch.randn(5)
+    got = torch.autograd.grad(nf.compile(block)(x, w), (x, w), seed)
+    want = torch.autograd.grad(block(x, w), (x, w), seed)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_reduction_sizes_must_match(randn):
     with pytest.raises(ValueError, match="do not match"):
-        square_twice.trace(x, w)
+        square_twice.trace(randn(3, 4), randn(4, 5))
 
 
 def test_einsum_errors(randn):

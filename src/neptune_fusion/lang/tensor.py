@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any, Sequence, Union
 
@@ -32,6 +33,7 @@ from neptune_fusion.ir.expr import (
     Size,
     Unary,
     Where,
+    walk,
 )
 
 
@@ -39,6 +41,8 @@ class Dim:
     """A dimension variable; `find()` gives its representative after unification."""
 
     _counter = 0
+    # every live dim by its index variable (a broadcast tells the classes an expression indexes)
+    by_var: weakref.WeakValueDictionary[str, Dim] = weakref.WeakValueDictionary()
 
     def __init__(self, size: int, hint: str) -> None:
         Dim._counter += 1
@@ -47,6 +51,7 @@ class Dim:
         self.hint = hint
         self.parent: Dim | None = None
         self.letters: list[str] = []
+        Dim.by_var[self.var] = self
 
     def find(self) -> Dim:
         node = self
@@ -340,6 +345,58 @@ def lift(value: TensorLike, tracer: object) -> SymTensor:
     raise TypeError(f"cannot use a value of type {type(value).__name__} in a traced program")
 
 
+def _class_of(var: str) -> Dim | None:
+    dim = Dim.by_var.get(var)
+    return None if dim is None else dim.find()
+
+
+def _index_vars(expr: Expr) -> set[str]:
+    return {n.axis for n in walk(expr) if isinstance(n, Index)}
+
+
+def _read_along(expr: Expr, dim: Dim, target: Dim) -> dict[str, Expr]:
+    """The substitution that reads `expr`'s `dim` where the result has `target`: element 0 of a
+    size-1 dim broadcast against a larger one; else (two axes of one size known apart, met position
+    by position: `x + x @ w` with a square w, x's columns and the product's) the same positions
+    along `target`'s axis."""
+    if dim.find().size != target.find().size:
+        return {dim.var: Const(0)}
+    return {v: Index(target.var) for v in _index_vars(expr) if _class_of(v) is dim.find()}
+
+
+def _alias_repeated_classes(out: list[Dim | None], tensors: Sequence[SymTensor]) -> None:
+    """A result that would hold one axis twice (`x[:, None] * x[None, :]`, an outer product of a
+    tensor with itself) gets a fresh axis of that size at the later position."""
+    seen: set[int] = set()
+    for pos, dim in enumerate(out):
+        if dim is None:
+            continue
+        if dim.find().uid in seen:
+            fresh = Dim(dim.find().size, f"{dim.hint}'")
+            tensors[0].tracer.aliases.append((fresh, dim))  # type: ignore[attr-defined]
+            out[pos] = fresh
+        seen.add(out[pos].find().uid)  # type: ignore[union-attr]
+
+
+def _distinct_axes(tracer: Any, a: Dim, b: Dim) -> bool:
+    """Whether dims `a` and `b` are different axes of one tensor the trace holds (an input's two
+    dimensions, or a stage's output axis and its summed axis: a square weight's rows and columns),
+    so identifying them would make that tensor index one axis twice."""
+    ra, rb = a.find(), b.find()
+    if ra is rb or tracer is None:
+        return False
+    for _, dims, _ in getattr(tracer, "inputs", ()):
+        classes = {d.find() for d in dims}
+        if ra in classes and rb in classes:
+            return True
+    for st in getattr(tracer, "stages", ()):
+        names = {*st.axes, *(n.axis for n in walk(st.body) if isinstance(n, Reduce))}
+        classes = {_class_of(v) for v in names}
+        if ra in classes and rb in classes:
+            return True
+    return False
+
+
 def broadcast(tensors: Sequence[SymTensor], what: str) -> tuple[tuple[Dim | None, ...], list[Expr]]:
     """Right-align and broadcast `tensors`; return the result dims and each operand's expr."""
     ndim = max(t.ndim for t in tensors)
@@ -355,16 +412,18 @@ def broadcast(tensors: Sequence[SymTensor], what: str) -> tuple[tuple[Dim | None
                 out[pos] = dim
             elif dim.find().size == 1 and cur.find().size != 1:
                 continue
-            else:
+            elif not _distinct_axes(t.tracer, cur, dim) or cur.find().size != dim.find().size:
                 unify(cur, dim, f"{what}: broadcasting dimension {pos - ndim}")
+    _alias_repeated_classes(out, tensors)
     exprs = []
     for t in tensors:
         expr = t.expr
         mapping: dict[str, Expr] = {}
         for pos, dim in enumerate(t.dims, start=ndim - t.ndim):
             target = out[pos]
-            if dim is not None and target is not None and dim.find() is not target.find():
-                mapping[dim.var] = Const(0)  # a size-1 dim broadcast against a larger one
+            if dim is None or target is None or dim.find() is target.find():
+                continue
+            mapping.update(_read_along(expr, dim, target))
         if mapping:
             from neptune_fusion.ir.expr import substitute_index
 
@@ -814,7 +873,7 @@ def einsum(spec: str, *operands: SymTensor) -> SymTensor:
                     letters[letter] = dim
                 elif dim.find().size == 1 and known.find().size != 1:
                     continue
-                else:
+                elif not _distinct_axes(tracer, known, dim) or known.find().size != dim.find().size:
                     unify(known, dim, f"einsum {spec!r}: letter {letter!r}")
             else:
                 letters[letter] = dim
@@ -826,7 +885,7 @@ def einsum(spec: str, *operands: SymTensor) -> SymTensor:
         mapping: dict[str, Expr] = {}
         for letter, dim in zip(term, op.dims, strict=True):
             if dim is not None and dim.find() is not letters[letter].find():
-                mapping[dim.var] = Const(0)
+                mapping.update(_read_along(op.expr, dim, letters[letter]))
         expr = op.expr
         if mapping:
             from neptune_fusion.ir.expr import substitute_index
