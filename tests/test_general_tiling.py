@@ -759,3 +759,14 @@ def test_a_part_that_writes_for_later_kernels_keeps_that_value_in_fp32(randn):
     assert "__mat_dot0" in {b.name for b in second.program.inputs} and "dot0" not in first.results
     narrowed = narrow_materialised([first, second], "f16")[0].program
     assert narrowed.stage("__mat_dot0").body.dtype == "f32"
+
+
+def test_a_batched_norm_projection_tiles_its_tokens(randn):
+    """`rmsnorm(x) @ w` over (batch, tokens, model): both the batch and the tokens index the
+    computed operand, so the row is the tokens (the last such axis), not the batch."""
+    def batched(x, w, g):
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), g) @ w
+
+    x = randn(3, 40, 24)
+    traced = nf.program(batched).trace(x, randn(24, 36), randn(24))
+    assert assign_roles(fuse(traced)[-1].program).row == traced.inputs[0].dims[1]

@@ -819,7 +819,10 @@ class Compiled:
             # Gluon's default partition is one warpgroup; the others are declared by the kernel itself
             tile = replace(gluon_tile, num_warps=4)
         else:
-            tile = lowered()
+            try:
+                tile = lowered()
+            except UnsupportedProgramError as exc:
+                return self._apart_to_fit(program, exc, args, device, options, main_dtype)
             if not interpreter:
                 # a plan whose kernel needs more shared memory or registers than the device has is
                 # planned again smaller, before anything is compiled (schedule/auto.py `fit`)

@@ -163,11 +163,20 @@ def _wide_outputs(program: Program) -> tuple[set[str], str] | None:
     if axis is None:
         return None
     covered = set().union(*(st.axes for st in _reductions(program) if st.reduce_axis == axis))
-    wide = {o.stage for o in program.outputs if len(set(program.stage(o.stage).axes) - covered) > 1}
+    reductions = {st.name for st in _reductions(program)}
+    # (a reduction's value returned as it is, or cast, is written by that reduction's own loop)
+    wide = {o.stage for o in program.outputs if len(set(program.stage(o.stage).axes) - covered) > 1
+            and not _returns_reduction(program.stage(o.stage).body, reductions)}
     if not wide:
         return None
     return wide, (f"the output(s) {sorted(wide)} have more than one axis beyond those of the reductions over "
                   f"{axis!r}, which the fused loop's kernel cannot write")
+
+
+def _returns_reduction(body: Expr, reductions: set[str]) -> bool:
+    while isinstance(body, Cast):
+        body = body.x
+    return isinstance(body, Reduce) or (isinstance(body, Load) and body.buffer in reductions)
 
 
 def _shifted_reads(program: Program) -> tuple[set[str], str] | None:
@@ -312,10 +321,64 @@ def split_conflicting(program: Program, axis: str) -> list[Group] | None:
     return None
 
 
+def split_independent(program: Program) -> list[Group] | None:
+    """Two groups where reductions over different axes neither read each other (a weight's
+    gradient summed over tokens beside a norm weight's summed over the batch): the first
+    reduction and those it relates to stay; the others and their readers follow in a later kernel.
+
+    Example:
+        >>> import torch, neptune_fusion as nf
+        >>> @nf.program
+        ... def both(g, h, v):
+        ...     return nf.einsum("btz,bty->bzy", g, h), v.sum(axis=0)
+        >>> first, second = split_independent(both.trace(torch.randn(2, 3, 4), torch.randn(2, 3, 5), torch.randn(2, 5)))
+        >>> [len(g.program.outputs) for g in (first, second)]
+        [1, 1]
+    """
+    reductions = _reductions(program)
+    reads = {st.name: transitive_reads(program, st.name) for st in program.stages if isinstance(st, Stage)}
+    head = reductions[0] if reductions else None
+    apart = {st.name for st in reductions[1:] if head is not None and st.reduce_axis != head.reduce_axis
+             and head.name not in reads[st.name] and st.name not in reads[head.name]}
+    if not apart:
+        return None
+    late = {n for n, r in reads.items() if n in apart or r & apart}
+    if head is not None and head.name in late:
+        return None
+    first, second = _split(program, late)
+    if not first.program.stages or not second.program.stages:
+        return None
+    return [first, second]
+
+
+def split_chained(program: Program) -> list[Group] | None:
+    """Two groups where a reduction reads another (a weight's gradient summed over a batch axis
+    after its sum over tokens: one loop would hold the inner sum's axis whole beside the outer's):
+    the last such reduction and its readers follow in a later kernel, which reads the other
+    finished. None where no reduction reads another.
+
+    Example:
+        >>> import torch, neptune_fusion as nf
+        >>> @nf.program
+        ... def batch_summed(g, h):
+        ...     return nf.einsum("btz,bty->bzy", g, h).sum(axis=0)
+        >>> first, second = split_chained(batch_summed.trace(torch.randn(2, 3, 4), torch.randn(2, 3, 5)))
+        >>> [b.name for b in second.program.inputs]
+        ['dot0']
+    """
+    stages = [st for st in program.stages if isinstance(st, Stage)]
+    reductions = {st.name for st in stages if st.reduce_op is not None}
+    for st in reversed(stages):
+        if st.reduce_op is not None and transitive_reads(program, st.name) & reductions:
+            return split_at(program, st.name)
+    return None
+
+
 def split_to_fit(program: Program, long_axes: frozenset[str]) -> tuple[list[Group], str] | None:
     """Groups for a program whose one kernel's tile cannot be planned, and why they run apart:
     reductions that share no axes (`split_unrelated`), else an axis too long to hold (`long_axes`)
-    summed by some reductions and kept by others (`split_conflicting`). None where neither applies.
+    summed by some reductions and kept by others (`split_conflicting`), else a reduction that reads
+    another (`split_chained`). None where none applies.
 
     Example:
         >>> import torch, neptune_fusion as nf
@@ -334,6 +397,12 @@ def split_to_fit(program: Program, long_axes: frozenset[str]) -> tuple[list[Grou
         apart = split_conflicting(program, axis)
         if apart is not None:
             return apart, f"the reductions summing over axis {axis!r} and those keeping it run apart"
+    apart = split_independent(program)
+    if apart is not None:
+        return apart, "reductions over different axes that do not read each other run apart"
+    apart = split_chained(program)
+    if apart is not None:
+        return apart, "a reduction that reads another runs in a later kernel"
     return None
 
 
@@ -640,6 +709,7 @@ def partition_loops(program: Program, held: frozenset[str]) -> list[Group]:
     # of its own: a kernel holds only its own rows of what it computes
     reductions = {st.name for st in stages if st.reduce_op is not None}
     shifted = {r for st in stages for r in _shifted_loads(st.name, by_name, reductions)}
+    tied = _tie_tested(by_name, reductions)
     for st in reversed(stages):
         if st.reduce_op is None:
             continue
@@ -647,7 +717,9 @@ def partition_loops(program: Program, held: frozenset[str]) -> list[Group]:
         # a reduction no larger than a tensor the program holds (dh's sum over a hidden axis, not
         # the logits) costs no more memory than that tensor: it is computed once, where recomputing
         # it in each kernel that reads it would redo a whole matmul when the axis is K-looped
-        if (st.name in outputs or st.name in shifted or st.reduce_axis not in held or not readers
+        # (one a tie test compares, `x == max`, is computed once: values another kernel recomputed
+        # in its own order could round apart from the max and miss every tie)
+        if (st.name in outputs or st.name in shifted or st.name in tied or st.reduce_axis not in held or not readers
                 or any(by_name[r].reduce_axis not in _axes_read_at(by_name[r].body, st.name, by_name, loops)
                        for r in readers)
                 or program.holds_as_large(st.axes)):
@@ -697,6 +769,26 @@ def partition_loops(program: Program, held: frozenset[str]) -> list[Group]:
 
 # the loop key of an element-wise stage written once for the kernels that read it (`_written_once`)
 SHARED_KEY = "written once: "
+
+
+def _tie_tested(by_name: dict[str, Stage], reductions: set[str]) -> set[str]:
+    """The reductions whose values an equality between two computed values reads (a max's tie
+    test `x == max`), directly or through element-wise stages."""
+    found: set[str] = set()
+    todo = [n.buffer for st in by_name.values() for c in walk(st.body)
+            if isinstance(c, Binary) and c.op == "eq" and not isinstance(c.a, Const) and not isinstance(c.b, Const)
+            for n in walk(c) if isinstance(n, Load)]
+    seen: set[str] = set()
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in by_name:
+            continue
+        seen.add(name)
+        if name in reductions:
+            found.add(name)
+        else:
+            todo.extend(by_name[name].reads())
+    return found
 
 
 def _written_once(program: Program, stage: Stage, by_name: dict[str, Stage],

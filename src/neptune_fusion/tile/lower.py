@@ -253,8 +253,10 @@ def assign_roles(program: Program) -> AxisRoles:
     reused = reused_operand_axes(loop.members)
     # of a matmul's two output axes, the one whose operand is computed in the loop (a centred x)
     # is the row: the row operand of a dot is read from registers, the other from shared memory
-    computed = [a for a in computed_operand_axes(loop.members) if a in spatial[:-1] and a in reused]
-    if spatial and spatial[-1] in reused and computed:
+    computed_axes = computed_operand_axes(loop.members)
+    computed = [a for a in computed_axes if a in spatial[:-1] and a in reused]
+    # (a row already on the computed operand stays: a batched `rmsnorm(x) @ w`'s tokens, not its batch)
+    if spatial and spatial[-1] in reused and spatial[-1] not in computed_axes and computed:
         spatial = (*(a for a in spatial if a != computed[0]), computed[0])
     row = spatial[-1] if spatial else UNIT_ROW
     # a batch axis indexes the whole program's grid: every member has it (dK's and dV's sums

@@ -1,0 +1,58 @@
+"""Model code as a modeling file writes it, forward and gradients against float64 eager torch:
+programs `bench/model_fuzz.py` found wrong or refused (bench/NOTES.md item 67)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import neptune_fusion as nf  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+def _check(fn, *inputs: torch.Tensor, tolerance: float = 1e-4) -> None:
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    out = nf.compile(fn)(*leaves)
+    exact = [t.double().requires_grad_() for t in inputs]
+    want = fn(*exact)
+    seed = torch.randn(want.shape, dtype=torch.float64)
+    got = torch.autograd.grad(out, leaves, seed.float())
+    expected = torch.autograd.grad(want, exact, seed)
+    for a, b in zip((out, *got), (want, *expected)):
+        assert (a.double() - b).abs().max().item() <= tolerance * max(b.abs().max().item(), 1.0)
+
+
+def test_norm_projection_softmax_summed_over_tokens():
+    # the weight's gradient sums over the batch after the tokens: one kernel's tile would hold
+    # both (4M values), so that sum runs in a later kernel (`partition.split_chained`)
+    def head(x, w, g):
+        return torch.softmax(F.silu(F.rms_norm(x, (x.shape[-1],), g) @ w), -1).sum(-2)
+
+    torch.manual_seed(0)
+    _check(head, torch.randn(3, 40, 24), torch.randn(24, 36) / 5, 1 + 0.1 * torch.randn(24))
+
+
+def test_max_of_attention_over_a_slice():
+    # the max's tie test reads the second attention's output: the backward computes that output
+    # once, so the max and the test compare the same values (`partition._tie_tested`)
+    def f(x):
+        h = x[..., 5:]
+        h = F.scaled_dot_product_attention(h, h, h, is_causal=True)
+        return F.scaled_dot_product_attention(h, h, h, is_causal=True).amax(-1)
+
+    torch.manual_seed(0)
+    _check(f, torch.randn(2, 45, 10))
+
+
+def test_residual_around_a_square_projection():
+    def block(x, w):
+        return torch.softmax(x @ w + x, -1)
+
+    torch.manual_seed(0)
+    _check(block, torch.randn(1, 3, 27), torch.randn(27, 27) / 5)
