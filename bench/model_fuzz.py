@@ -174,8 +174,8 @@ def main() -> None:
         label = f"{case} [{model.describe()}] x{tuple(x.shape)} {dtype}"
         try:
             err, eager = check(model, inputs)
-            # in 16 bits, within twice what eager torch's own rounding gives
-            if not err <= (1e-3 if dtype == torch.float32 else max(3e-2, 2 * eager)):
+            # within twice what eager torch's own rounding gives (ill-conditioned cases)
+            if not err <= max(1e-3 if dtype == torch.float32 else 3e-2, 2 * eager):
                 bad += 1
                 print("BAD", label, f"err {err:.2e} (eager {eager:.2e})", flush=True)
         except nf.FusionError as exc:

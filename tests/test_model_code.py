@@ -17,13 +17,14 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 
 def _check(fn, *inputs: torch.Tensor, tolerance: float = 1e-4) -> None:
-    leaves = [t.clone().requires_grad_() for t in inputs]
+    """`fn` compiled against float64 eager: its output and the gradients of its float inputs."""
+    leaves = [t.clone().requires_grad_(t.is_floating_point()) for t in inputs]
     out = nf.compile(fn)(*leaves)
-    exact = [t.double().requires_grad_() for t in inputs]
+    exact = [t.double().requires_grad_() if t.is_floating_point() else t for t in inputs]
     want = fn(*exact)
     seed = torch.randn(want.shape, dtype=torch.float64)
-    got = torch.autograd.grad(out, leaves, seed.float())
-    expected = torch.autograd.grad(want, exact, seed)
+    got = torch.autograd.grad(out, [t for t in leaves if t.requires_grad], seed.float())
+    expected = torch.autograd.grad(want, [t for t in exact if t.requires_grad], seed)
     for a, b in zip((out, *got), (want, *expected)):
         assert (a.double() - b).abs().max().item() <= tolerance * max(b.abs().max().item(), 1.0)
 
@@ -56,3 +57,36 @@ def test_residual_around_a_square_projection():
 
     torch.manual_seed(0)
     _check(block, torch.randn(1, 3, 27), torch.randn(27, 27) / 5)
+
+
+def _causal_by_hand(h):
+    s = h @ h.transpose(-1, -2) * h.shape[-1] ** -0.5
+    t = s.shape[-1]
+    s = s.masked_fill(torch.ones(t, t, dtype=torch.bool, device=h.device).triu(1), float("-inf"))
+    return torch.softmax(s, -1) @ h
+
+
+def _labels_from_positions(h):
+    logits = h.reshape(-1, h.shape[-1])
+    return F.cross_entropy(logits, torch.arange(logits.shape[0], device=h.device) % h.shape[-1])
+
+
+def _additive_mask(h):
+    t = h.shape[-2]
+    return torch.softmax(h @ h.transpose(-1, -2) + torch.full((t, t), float("-inf")).triu(1), -1).sum(-1)
+
+
+def _rotary(x):
+    t, d = x.shape[-2], x.shape[-1]
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    emb = torch.cat([torch.arange(t, dtype=torch.float32)[:, None] * inv[None, :]] * 2, -1)
+    return x * emb.cos() + torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1) * emb.sin()
+
+
+@pytest.mark.parametrize("fn", [_causal_by_hand, _labels_from_positions, _additive_mask, _rotary])
+def test_tensors_the_code_makes_itself(fn):
+    # torch.ones / full / arange made inside the traced code, with triu and tril: symbolic
+    # (lang/torch_nn/factories.py), where they were refused as captured tensors
+    torch.manual_seed(0)
+    _check(fn, torch.randn(2, 9, 8))
+

@@ -174,7 +174,10 @@ def _traced(fn: Callable[..., Any], specs: Sequence[ArgSpec], name: str | None) 
             args.append(SymTensor((), Param(spec.name), tracer, spec.kind))
         else:
             args.append(tracer.input(spec.name, spec.shape, spec.kind))
-    result = fn(*args)
+    from neptune_fusion.lang.torch_nn.factories import Factories
+
+    with Factories(tracer):  # tensors the code makes itself (a causal mask, positions) are symbolic
+        result = fn(*args)
     results = result if isinstance(result, tuple) else (result,)
     outputs: list[OutputSpec] = []
     for r in results:
@@ -238,6 +241,9 @@ def _finalize(
     # where they meet an input's dimension (the backward tells a slice's axis by it)
     derived = {root_name[d.find().uid]: ("const", d.find().size, None) for d in getattr(tracer, "constant_dims", ())
                if d.find().uid in root_name}
+    # dims of tensors the code made (torch.arange, torch.ones): constant only where no input has them
+    derived.update({root_name[d.find().uid]: ("const", d.find().size, None) for d in getattr(tracer, "made_dims", ())
+                    if d.find().uid in root_name and root_name[d.find().uid] not in axis_sizes})
     for st in kept:
         for a in (*st.axes, *(n.axis for n in walk(st.body) if isinstance(n, Size))):
             if a not in axis_sizes and a not in derived:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from neptune_fusion.lang.torch_nn import activations, attention, linear, losses, statistics
+from neptune_fusion.lang.torch_nn import activations, attention, factories, linear, losses, statistics
 from neptune_fusion.lang.torch_nn.common import CONTEXT, no_out
 
 __all__ = ["CONTEXT", "HANDLERS", "UNSUPPORTED", "no_out"]
@@ -50,4 +50,5 @@ UNSUPPORTED: dict[str, str] = {
 
 HANDLERS: dict[str, Callable[..., Any]] = {
     **activations.HANDLERS, **statistics.HANDLERS, **linear.HANDLERS, **losses.HANDLERS, **attention.HANDLERS,
+    **factories.HANDLERS,
 }
