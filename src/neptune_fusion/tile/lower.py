@@ -1554,7 +1554,9 @@ class KernelBuilder:
         cols, col_valid, loop_scope = self._whole_tile
         col = self.roles.col
         scope = _Scope(self.body)
-        scope.memo = {expr: value for expr, value in loop_scope.memo.items() if self._reads_no_member(expr)}
+        # (a key is an expression, or one with the guards it was read under: tile/guards.py)
+        scope.memo = {key: value for key, value in loop_scope.memo.items()
+                      if self._reads_no_member(key[0] if isinstance(key, tuple) else key)}
         self.scopes.append(scope)
         self.bindings[col] = cols
         inner_valid = {**valid, col: col_valid}
