@@ -19,7 +19,9 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 import neptune_fusion as nf
+from bench.backward_profile import host_profile
 from bench.common import bench, environment, warm_up_gpu, write_results
+from bench.host_step import host_us
 
 HEAD_DIM = 128
 
@@ -80,6 +82,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=5632)
     parser.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16")
     parser.add_argument("--profile", action="store_true", help="print the time of each kernel of our step")
+    parser.add_argument("--host", action="store_true",
+                        help="each system's host time per step (the GPU's queue kept full) and our step's Python by own time")
     a = parser.parse_args()
     dtype = getattr(torch, a.dtype)
     warm_up_gpu()
@@ -100,6 +104,12 @@ def main() -> None:
         print(f"{a.part} {name}: fwd+bwd {us:.0f} us, gradient errors {[f'{e:.1e}' for e in errors]}", flush=True)
         if a.profile and name == "nf":
             profile(lambda step=step, leaves=leaves: step(*leaves).backward(seed.to(dtype)), a.part)
+        if a.host:
+            one = lambda step=step, leaves=leaves: step(*leaves).backward(seed.to(dtype))  # noqa: E731
+            result[name]["host_us"] = host_us(one)
+            print(f"{a.part} {name}: host {result[name]['host_us']:.0f} us a step", flush=True)
+            if name == "nf":
+                print(host_profile(one, steps=10, by="tottime", lines=30), flush=True)
     for name in ("eager", "torch.compile"):
         print(f"  nf speed-up over {name}: {result[name]['step_us'] / result['nf']['step_us']:.2f}x")
     bad = [e for e in result["nf"]["grad_max_rel_err"] if not e < 2e-2]
