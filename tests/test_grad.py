@@ -418,22 +418,25 @@ def test_linear_cross_entropy_backward_over_a_long_hidden_axis_is_materialised_a
     assert not materialise.accumulates_in_fp32(step.plan, {"i": 8192, "v": 128256, "d": 4096}, 2)
 
 
-def test_a_backward_that_cannot_be_planned_raises_at_the_forward_call() -> None:
+def test_a_backward_no_chunked_plan_computes_runs_in_several_kernels() -> None:
     """The logits of h * h: dW's sum over tokens multiplies the logits' gradient by h twice, which
-    neither a kernel plan nor a chunked contraction computes; the forward call says so, naming both
-    conditions, before any step runs (and nothing is returned)."""
+    neither one kernel's plan nor a chunked contraction computes; the kernel is split in several
+    instead (`partition.split_to_fit`: the reductions that read others in later kernels), and
+    the gradients are torch's. `nf.explain` shows the same order of attempts."""
     @nf.program
     def squared_logsumexp(h, w):
         s = nf.einsum("id,vd->iv", h * h, w)
         m = s.max(axis=-1, keepdims=True)
         return (m + nf.log(nf.exp(s - m).sum(axis=-1, keepdims=True)))[..., 0]
 
-    h = torch.randn(8, 600, requires_grad=True)
-    w = torch.randn(16, 600, requires_grad=True)
-    with pytest.raises(FusionError, match=r"\[tile planning\] stage 'grad_w_part'.*materialising a chunk at a time fails"):
-        nf.compile(squared_logsumexp)(h, w)
-    with torch.no_grad():  # forward-only, the same program compiles (its loop over the vocabulary K-loops)
-        assert nf.compile(squared_logsumexp)(h, w).shape == (8,)
+    torch.manual_seed(0)
+    h, w = torch.randn(8, 600, requires_grad=True), torch.randn(16, 600, requires_grad=True)
+    got = torch.autograd.grad(nf.compile(squared_logsumexp)(h, w).sum(), (h, w))
+    hd, wd = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    want = torch.autograd.grad(torch.logsumexp((hd * hd) @ wd.T, -1).sum(), (hd, wd))
+    assert_grads(list(got), list(want), tol=1e-4)
+    text = nf.explain(squared_logsumexp, h, w, backward=True)
+    assert "no chunked plan either" in text and "one kernel's tile split in several" in text
 
 
 def test_a_training_step_with_a_block_mask_builds_no_block_map_again() -> None:

@@ -90,3 +90,36 @@ def test_tensors_the_code_makes_itself(fn):
     torch.manual_seed(0)
     _check(fn, torch.randn(2, 9, 8))
 
+
+
+def test_cross_entropy_of_attention_reads_its_targets_once():
+    # the loss's whole-tile second pass reuses what the loop loaded, guarded reads included
+    def f(x, labels):
+        h = F.scaled_dot_product_attention(*(torch.softmax(x, -2),) * 3, is_causal=True)
+        h = torch.sigmoid(h)
+        return F.cross_entropy(h.reshape(-1, h.shape[-1]), labels.reshape(-1) % h.shape[-1])
+
+    torch.manual_seed(0)
+    _check(f, torch.randn(3, 3, 19), torch.randint(0, 1000, (3, 3)))
+
+
+def test_targets_gathered_from_attention():
+    # a reshape makes the token axis one of fixed size; the gradient through attention's keys (the
+    # same dimension) reads them back position by position, its own query axis renamed apart
+    def f(x, labels):
+        h = F.scaled_dot_product_attention(*(torch.softmax(x, -2),) * 3, is_causal=True)
+        flat = h.reshape(-1, h.shape[-1])
+        return flat[torch.arange(flat.shape[0]), labels.reshape(-1)].sum()
+
+    torch.manual_seed(0)
+    _check(f, torch.randn(3, 3, 19), torch.randint(0, 19, (3, 3)))
+
+
+def test_attention_over_a_slice_of_the_tokens():
+    # the keys are an alias of a sliced (fixed-size) axis: the trace knows their size
+    def f(x):
+        h = x[:, :-1]
+        return F.scaled_dot_product_attention(h, h, h, is_causal=True)
+
+    torch.manual_seed(0)
+    _check(f, torch.randn(2, 9, 8))

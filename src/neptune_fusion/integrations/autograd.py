@@ -339,6 +339,7 @@ class Kernels:
         sizes = axis_extents(self.program, named)
         pool = dict(named)
         failed: list[tuple[int, FusionError]] = []
+        failed_args: dict[int, dict[str, Any]] = {}
         dtype = self.dtype(named)
         for k, (group, fn) in enumerate(self.steps):
             args = _group_args(group, pool, named)
@@ -347,6 +348,7 @@ class Kernels:
                     fn.at(dtype).executable_for(fn.program_at(dtype), args)
                 except FusionError as exc:
                     failed.append((k, exc))
+                    failed_args[k] = args
             example = next(iter(named.values()))
             written = fn.result_dtypes(group, dtype) if isinstance(fn, InProgramDtype) else {}
             for name in group.results:
@@ -355,10 +357,25 @@ class Kernels:
                 shape = [sizes[a] for a in self.program.stage(key).axes]
                 pool[key] = torch.empty(shape, dtype=written.get(name, torch.float32), device=example.device)
         if failed:
-            self._chunk([k for k, _ in failed], sizes, named, failed[0][1])
+            self._chunk([k for k, _ in failed], sizes, named, failed[0][1], failed_args, dtype)
 
-    def _chunk(self, failed: list[int], sizes: dict[str, int], named: dict[str, Any], error: FusionError) -> None:
-        """Replace the groups that cannot be planned by one `Chunked` step, or raise `error`."""
+    def _split_to_fit(self, failed: list[int], args: dict[int, dict[str, Any]], dtype: str) -> bool:
+        """Whether every group in `failed` compiles as several kernels where one kernel's tile is
+        too large (`Compiled._apart_to_fit`): the plan after a chunked one."""
+        for k in failed:
+            fn = self.steps[k][1]
+            assert isinstance(fn, InProgramDtype)
+            fn.split_to_fit, fn.by_dtype = True, {}
+            try:
+                fn.at(dtype).executable_for(fn.program_at(dtype), args[k])
+            except FusionError:
+                return False
+        return True
+
+    def _chunk(self, failed: list[int], sizes: dict[str, int], named: dict[str, Any], error: FusionError,
+               args: dict[int, dict[str, Any]], dtype: str) -> None:
+        """Replace the groups that cannot be planned by one `Chunked` step, else compile them as
+        several kernels each, or raise `error`."""
         groups = [self.steps[k][0] for k in failed]
         later = {r for k, (g, _) in enumerate(self.steps) if k >= failed[0] for r in g.results}
         try:
@@ -369,7 +386,7 @@ class Kernels:
             chunked = Chunked(plan, self.allow_fallback)
             chunked.producer.executable_for(plan.producer, chunked.first_chunk(named))
         except FusionError as why:
-            if self.allow_fallback:
+            if self.allow_fallback or self._split_to_fit(failed, args, dtype):
                 return
             raise FusionError(error.pass_name, error.stage, error.reduction,
                               f"{error.condition}; materialising a chunk at a time fails too: {why}") from error
@@ -417,11 +434,12 @@ class InProgramDtype:
         self.narrowed = narrowed or {}  # by dtype: the program writing some results in it (`narrow_materialised`)
         self.by_dtype: dict[str, Compiled] = {}
         self.written: dict[str, dict[str, torch.dtype]] = {}  # by dtype: `result_dtypes`
+        self.split_to_fit = False  # a tile too large to lower: a chunked plan first (`Kernels._chunk`)
 
     def at(self, dtype: str) -> Compiled:
         if dtype not in self.by_dtype:
             self.by_dtype[dtype] = Compiled(FixedProgram(self.program_at(dtype)), Auto(), self.allow_fallback,
-                                            compute_dtype=dtype)
+                                            compute_dtype=dtype, split_to_fit=self.split_to_fit)
         return self.by_dtype[dtype]
 
     def program_at(self, dtype: str) -> Program:

@@ -244,6 +244,10 @@ def _finalize(
     # dims of tensors the code made (torch.arange, torch.ones): constant only where no input has them
     derived.update({root_name[d.find().uid]: ("const", d.find().size, None) for d in getattr(tracer, "made_dims", ())
                     if d.find().uid in root_name and root_name[d.find().uid] not in axis_sizes})
+    # an alias of a constant dim (a slice's, as the keys of attention over x[:, :-1]) is constant too
+    for fresh, source in tracer.aliases:
+        if names[fresh.var] not in axis_sizes and names[source.var] in derived:
+            derived.setdefault(names[fresh.var], derived[names[source.var]])
     for st in kept:
         for a in (*st.axes, *(n.axis for n in walk(st.body) if isinstance(n, Size))):
             if a not in axis_sizes and a not in derived:

@@ -573,9 +573,13 @@ class Compiled:
     """
 
     def __init__(self, program: ProgramDef | Callable[..., Any], schedule: Schedule | None = None,
-                 allow_fallback: bool = False, options: Options | None = None, compute_dtype: str | None = None) -> None:
+                 allow_fallback: bool = False, options: Options | None = None, compute_dtype: str | None = None,
+                 split_to_fit: bool = True) -> None:
         self.program_def = program if isinstance(program, ProgramDef) else ProgramDef(program)
         self.schedule = schedule or Auto()
+        # a kernel whose tile is too large to lower runs as several (`_apart_to_fit`); off for a
+        # backward's kernel, whose caller tries a chunked plan first (integrations/autograd.py)
+        self.split_to_fit = split_to_fit
         self.options = options  # the switches; None: read from the environment at each compile
         # the dtype of the dots' operands at every call, for a kernel of a larger program (a
         # backward's, reading fp32 pools); None: its first float input's
@@ -822,6 +826,8 @@ class Compiled:
             try:
                 tile = lowered()
             except UnsupportedProgramError as exc:
+                if not self.split_to_fit:
+                    raise
                 return self._apart_to_fit(program, exc, args, device, options, main_dtype)
             if not interpreter:
                 # a plan whose kernel needs more shared memory or registers than the device has is
@@ -846,7 +852,7 @@ class Compiled:
                       device: torch.device, options: Options, compute_dtype: str) -> Executable:
         """The program in several kernels where one kernel's tile cannot be planned (`error`), or
         `error` raised where no split applies (schedule/partition.py `split_to_fit`)."""
-        found = split_to_fit(program, long_axes(program, args))
+        found = split_to_fit(program, long_axes(program, args), any_reductions=self.split_to_fit)
         if found is None:
             raise error
         groups, why = found

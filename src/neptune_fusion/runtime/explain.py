@@ -31,7 +31,7 @@ from neptune_fusion.ir.printer import format_expr, format_program
 from neptune_fusion.ir.program import Program
 from neptune_fusion.lang.dtypes import output_dtypes
 from neptune_fusion.lang.tensor import input_dtype_name
-from neptune_fusion.lang.trace import ProgramDef
+from neptune_fusion.lang.trace import FixedProgram, ProgramDef
 from neptune_fusion.runtime.compiled import (
     Compiled,
     Executable,
@@ -153,6 +153,9 @@ def _part_sections(title: str, part: Executable) -> list[tuple[str, str]]:
     return found
 
 
+NO_CHUNKED_PLAN = "=== no chunked plan either"
+
+
 def _explain_backward(program: Program, named: dict[str, Any], schedule: Schedule | None, forward: str) -> str:
     """The forward's explanation, then the derived backward: its record, program and kernels."""
 
@@ -192,13 +195,18 @@ def _explain_backward(program: Program, named: dict[str, Any], schedule: Schedul
             # what integrations/autograd.py runs unfused
             out.append("(no reduction: torch's element-wise kernels run it)\n" + format_program(group.program))
             continue
-        try:
-            out.append(explain(group.program, **args, schedule=None, compute_dtype=dtype))
+        try:  # as the training call plans it: a chunked plan before one kernel split in several
+            out.append(explain(Compiled(FixedProgram(group.program), compute_dtype=dtype, split_to_fit=False), **args))
         except FusionError as exc:
             out.append(f"(no kernel plan computes it: {exc})")
-            unplanned.append((group, exc))
+            unplanned.append((group, exc, args))
     if unplanned:
-        out.append(_explain_chunked([g for g, _ in unplanned], sizes, {**named, **stand_ins}))
+        chunked = _explain_chunked([g for g, _, _ in unplanned], sizes, {**named, **stand_ins})
+        out.append(chunked)
+        if chunked.startswith(NO_CHUNKED_PLAN):
+            for group, _, args in unplanned:
+                out.append(f"=== {group.program.name}, one kernel's tile split in several ===")
+                out.append(explain(group.program, **args, schedule=None, compute_dtype=dtype))
     return "\n".join(out)
 
 
@@ -228,7 +236,7 @@ def _explain_chunked(groups: list[Group], sizes: dict[str, int], args: dict[str,
     try:
         plan = materialise(groups, sizes)
     except FusionError as exc:
-        return f"=== no chunked plan either: {exc} ==="
+        return f"{NO_CHUNKED_PLAN}: {exc} ==="
     example = args[plan.contractions[0].operand]
     length = chunk_length(plan, sizes, example.element_size())
     lines = [f"=== materialised a chunk at a time: {plan.shared}{list(plan.producer.stage(plan.shared).axes)} "

@@ -374,11 +374,13 @@ def split_chained(program: Program) -> list[Group] | None:
     return None
 
 
-def split_to_fit(program: Program, long_axes: frozenset[str]) -> tuple[list[Group], str] | None:
+def split_to_fit(program: Program, long_axes: frozenset[str], any_reductions: bool = True
+                 ) -> tuple[list[Group], str] | None:
     """Groups for a program whose one kernel's tile cannot be planned, and why they run apart:
     reductions that share no axes (`split_unrelated`), else an axis too long to hold (`long_axes`)
-    summed by some reductions and kept by others (`split_conflicting`), else a reduction that reads
-    another (`split_chained`). None where none applies.
+    summed by some reductions and kept by others (`split_conflicting`), else, with `any_reductions`,
+    reductions over different axes (`split_independent`) or a reduction that reads another
+    (`split_chained`). None where none applies.
 
     Example:
         >>> import torch, neptune_fusion as nf
@@ -397,6 +399,8 @@ def split_to_fit(program: Program, long_axes: frozenset[str]) -> tuple[list[Grou
         apart = split_conflicting(program, axis)
         if apart is not None:
             return apart, f"the reductions summing over axis {axis!r} and those keeping it run apart"
+    if not any_reductions:
+        return None
     apart = split_independent(program)
     if apart is not None:
         return apart, "reductions over different axes that do not read each other run apart"

@@ -304,7 +304,9 @@ class _Reverse:
         """Whether a frame axis `a` may stand for a buffer's axis `b` position by position: the same
         axis, or neither of a fixed size (aliases of one dimension, x @ x.T's; an input gathered by
         an axis, `table[q_idx]`, whose extra length `Gradient.narrowed` cuts at the call)."""
-        return a == b or not (self.fixed_size(a) or self.fixed_size(b))
+        sources = self.program.axis_sizes
+        return a == b or not (self.fixed_size(a) or self.fixed_size(b)) or (
+            a in sources and sources.get(a) == sources.get(b))  # (one input dimension's: one extent)
 
     def const_sizes(self) -> dict[str, int]:
         """The axes of a size fixed while tracing, with their sizes."""
@@ -488,6 +490,8 @@ class _Reverse:
                 # x[..., s * step + start, ...] (a slice): the gradient at the buffer's position p
                 # comes from s = (p - start) / step, where that lies on the slice
                 var, step, start = shift
+                # a frame axis of the buffer axis's name is summed over: it must not meet the position
+                value, frame = self.renamed_apart(value, frame, {axis} - {var})
                 offset = Binary("sub", Index(axis), Const(start)) if start else Index(axis)
                 source = Binary("floordiv", offset, Const(step)) if step != 1 else offset
                 on_slice = Binary("and", Binary("ge", offset, Const(0)), Binary("lt", source, Size(var)))

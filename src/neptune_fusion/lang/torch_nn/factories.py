@@ -63,7 +63,8 @@ def _filled(tracer: Any, sizes: tuple[int, ...], value: Any, kind: str) -> SymTe
 
 class Factories(TorchFunctionMode):
     """While `fn` is traced: `torch.arange`, `ones`, `zeros` and `full` return symbolic tensors
-    of `tracer` (over new axes of constant sizes); every other call goes on as it would."""
+    of `tracer` (over new axes of constant sizes); every other call goes on as it would, and so do
+    those inside nf.attention's mods, which capture what they make."""
 
     def __init__(self, tracer: Any) -> None:
         super().__init__()
@@ -72,7 +73,8 @@ class Factories(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = dict(kwargs or {})
         name = getattr(func, "__name__", "")
-        if func in (torch.ones, torch.zeros, torch.full, torch.arange):
+        # (a score_mod / mask_mod captures the tensors it makes, as FlexAttention does: not these)
+        if func in (torch.ones, torch.zeros, torch.full, torch.arange) and getattr(self.tracer, "captures", None) is None:
             for unused in ("device", "layout", "pin_memory", "requires_grad", "memory_format"):
                 kwargs.pop(unused, None)
             if kwargs.pop("out", None) is not None:
