@@ -336,14 +336,14 @@ def split_independent(program: Program) -> list[Group] | None:
         [1, 1]
     """
     reductions = _reductions(program)
-    reads = {st.name: transitive_reads(program, st.name) for st in program.stages if isinstance(st, Stage)}
-    head = reductions[0] if reductions else None
-    apart = {st.name for st in reductions[1:] if head is not None and st.reduce_axis != head.reduce_axis
-             and head.name not in reads[st.name] and st.name not in reads[head.name]}
-    if not apart:
+    if not reductions:
         return None
+    reads = {st.name: transitive_reads(program, st.name) for st in program.stages if isinstance(st, Stage)}
+    head = reductions[0]
+    apart = {st.name for st in reductions[1:] if st.reduce_axis != head.reduce_axis
+             and head.name not in reads[st.name] and st.name not in reads[head.name]}
     late = {n for n, r in reads.items() if n in apart or r & apart}
-    if head is not None and head.name in late:
+    if not apart or head.name in late:
         return None
     first, second = _split(program, late)
     if not first.program.stages or not second.program.stages:
