@@ -85,11 +85,12 @@ class Factories(TorchFunctionMode):
             if func is torch.full:
                 value = kwargs.pop("fill_value", None)
                 sizes, value = (_sizes(args[:1], kwargs), args[1]) if len(args) > 1 else (_sizes(args, kwargs), value)
+                if not isinstance(value, (bool, int, float)):
+                    raise TypeError(f"torch.full needs a Python number to fill with, got {type(value).__name__} {CONTEXT}")
                 default = "bool" if isinstance(value, bool) else "int" if isinstance(value, int) else "float"
                 return _filled(self.tracer, sizes, value, _kind(dtype, default))
-            kind = _kind(dtype, "float")
-            value = {"bool": True, "int": 1, "float": 1.0}[kind] if func is torch.ones else 0.0 if kind == "float" else 0
-            return _filled(self.tracer, _sizes(args, kwargs), value if kind != "bool" or value else False, kind)
+            kind, one = _kind(dtype, "float"), func is torch.ones
+            return _filled(self.tracer, _sizes(args, kwargs), {"bool": one, "int": int(one), "float": float(one)}[kind], kind)
         return func(*args, **kwargs)
 
     def arange(self, start: Any, end: Any = None, step: Any = 1, *, dtype: Any = None) -> SymTensor:
