@@ -79,7 +79,7 @@ def build(rng: random.Random, width: int, depth: int, long_axes: bool) -> Model:
     c = width
     for _ in range(depth):
         kind = rng.choice(["linear", "linear", "rmsnorm", "layernorm", "act", "glu", "softmax_last",
-                           "softmax_tokens", "attention", "residual", "slice", "cat", "scale"])
+                           "softmax_tokens", "attention", "residual", "slice", "cat", "scale", "rotary"])
         if kind == "linear":
             out = rng.choice([c, rng.randint(3, 700 if long_axes else 96)])
             w = model.weight(c, out)
@@ -102,13 +102,19 @@ def build(rng: random.Random, width: int, depth: int, long_axes: bool) -> Model:
         elif kind == "softmax_tokens":
             model.layers.append(("softmax(-2)", lambda h, k, ws: (torch.softmax(h, -2), k), c))
         elif kind == "attention":
-            causal = rng.random() < 0.5
+            mask = rng.choice(["none", "sdpa_causal", "made_causal"])
 
-            def attend(h: torch.Tensor, k: torch.Tensor, ws: tuple[torch.Tensor, ...], causal: bool = causal) -> tuple[torch.Tensor, torch.Tensor]:
-                if causal:
+            def attend(h: torch.Tensor, k: torch.Tensor, ws: tuple[torch.Tensor, ...], mask: str = mask) -> tuple[torch.Tensor, torch.Tensor]:
+                if mask == "sdpa_causal":
                     return F.scaled_dot_product_attention(h, h, h, is_causal=True), k
-                return torch.softmax(h @ h.transpose(-1, -2) * h.shape[-1] ** -0.5, -1) @ h, k
-            model.layers.append(("causal_attention" if causal else "attention", attend, c))
+                s = h @ h.transpose(-1, -2) * h.shape[-1] ** -0.5
+                if mask == "made_causal":  # a mask the code makes itself
+                    t = s.shape[-1]
+                    s = s.masked_fill(torch.ones(t, t, dtype=torch.bool, device=h.device).triu(1), float("-inf"))
+                return torch.softmax(s, -1) @ h, k
+            model.layers.append((f"attention({mask})", attend, c))
+        elif kind == "rotary" and c % 2 == 0:
+            model.layers.append(("rotary", lambda h, k, ws: (rotary(h), k), c))
         elif kind == "residual":
             model.layers.append(("residual", lambda h, k, ws: (h + k, h) if h.shape == k.shape else (h, h), c))
         elif kind == "slice" and c > 4:
@@ -122,6 +128,14 @@ def build(rng: random.Random, width: int, depth: int, long_axes: bool) -> Model:
             model.layers.append(("scale", lambda h, k, ws: (h * 0.5 + 0.25, k), c))
     model.tail = rng.choice(["out", "out", "sum", "mean_rows", "logsumexp", "amax", "cross_entropy", "mse"])
     return model
+
+
+def rotary(x: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding over the tokens, its tables made from torch.arange in the code."""
+    t, d = x.shape[-2], x.shape[-1]
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))
+    emb = torch.cat([torch.arange(t, dtype=torch.float32, device=x.device)[:, None] * inv[None, :]] * 2, -1)
+    return x * emb.cos().to(x.dtype) + torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1) * emb.sin().to(x.dtype)
 
 
 def relative_error(got: torch.Tensor | None, want: torch.Tensor | None) -> float:
