@@ -123,3 +123,15 @@ def test_attention_over_a_slice_of_the_tokens():
 
     torch.manual_seed(0)
     _check(f, torch.randn(2, 9, 8))
+
+
+def test_a_captured_parameter_is_named_with_how_to_pass_it():
+    layer = torch.nn.Linear(8, 4)
+
+    def f(x):
+        return torch.softmax(layer(x), -1)
+
+    with pytest.raises(TypeError, match=r"captured \(a module's parameter, a global\).*pass it as one"):
+        nf.compile(f)(torch.randn(3, 8))
+    torch.testing.assert_close(nf.compile(lambda x, w, b: torch.softmax(F.linear(x, w, b), -1))(
+        x := torch.randn(3, 8), layer.weight.detach(), layer.bias.detach()), f(x).detach(), rtol=1e-5, atol=1e-5)

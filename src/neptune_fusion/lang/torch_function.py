@@ -109,6 +109,12 @@ def lift_tensor(value: Any, tracer: Any) -> SymTensor | None:
     if not isinstance(value, torch.Tensor):
         return None
     if value.dim() != 0:
+        if getattr(tracer, "captures", None) is None:  # a compiled function's, not a mod's
+            raise TypeError(
+                f"a torch tensor of shape {tuple(value.shape)} that the traced function captured (a module's "
+                "parameter, a global) is combined with its symbolic tensors; nf.compile traces only the "
+                "function's arguments: pass it as one (`nf.compile(lambda x, w: F.linear(x, w))(x, layer.weight)`)"
+            )
         raise TypeError(
             f"a captured torch tensor of shape {tuple(value.shape)} is combined with symbolic values {CONTEXT}; "
             "index it with the symbolic indices first (e.g. bias[h, q_idx, kv_idx])"
