@@ -338,7 +338,10 @@ def ratio(value: sp.Expr, reference: sp.Expr) -> sp.Expr | None:
     """`value / reference` simplified, or None where `reference` is 0 (no ratio to speak of)."""
     if is_zero(reference):
         return None
-    return sp.simplify(value / reference)
+    found = sp.simplify(value / reference)
+    # a ratio of two expressions carrying the same float constant (exp(0.25) as 1.284...) can miss
+    # its exact value by a rounding: snap floats to the simple rationals they are within 1e-12 of
+    return sp.nsimplify(found, tolerance=1e-12, rational=True) if found.has(sp.Float) else found
 
 
 def solve_for(expr: Expr, unknown: Expr, value: Expr) -> Expr | None:
