@@ -338,8 +338,7 @@ class Kernels:
         named = self._with_lengths(named)
         sizes = axis_extents(self.program, named)
         pool = dict(named)
-        failed: list[tuple[int, FusionError]] = []
-        failed_args: dict[int, dict[str, Any]] = {}
+        failed: list[tuple[int, FusionError, dict[str, Any]]] = []  # (step, why, its arguments)
         dtype = self.dtype(named)
         for k, (group, fn) in enumerate(self.steps):
             args = _group_args(group, pool, named)
@@ -347,8 +346,7 @@ class Kernels:
                 try:
                     fn.at(dtype).executable_for(fn.program_at(dtype), args)
                 except FusionError as exc:
-                    failed.append((k, exc))
-                    failed_args[k] = args
+                    failed.append((k, exc, args))
             example = next(iter(named.values()))
             written = fn.result_dtypes(group, dtype) if isinstance(fn, InProgramDtype) else {}
             for name in group.results:
@@ -357,25 +355,26 @@ class Kernels:
                 shape = [sizes[a] for a in self.program.stage(key).axes]
                 pool[key] = torch.empty(shape, dtype=written.get(name, torch.float32), device=example.device)
         if failed:
-            self._chunk([k for k, _ in failed], sizes, named, failed[0][1], failed_args, dtype)
+            self._chunk(failed, sizes, named, dtype)
 
-    def _split_to_fit(self, failed: list[int], args: dict[int, dict[str, Any]], dtype: str) -> bool:
+    def _split_to_fit(self, failed: list[tuple[int, FusionError, dict[str, Any]]], dtype: str) -> bool:
         """Whether every group in `failed` compiles as several kernels where one kernel's tile is
         too large (`Compiled._apart_to_fit`): the plan after a chunked one."""
-        for k in failed:
+        for k, _, args in failed:
             fn = self.steps[k][1]
             assert isinstance(fn, InProgramDtype)
             fn.split_to_fit, fn.by_dtype = True, {}
             try:
-                fn.at(dtype).executable_for(fn.program_at(dtype), args[k])
+                fn.at(dtype).executable_for(fn.program_at(dtype), args)
             except FusionError:
                 return False
         return True
 
-    def _chunk(self, failed: list[int], sizes: dict[str, int], named: dict[str, Any], error: FusionError,
-               args: dict[int, dict[str, Any]], dtype: str) -> None:
+    def _chunk(self, unplanned: list[tuple[int, FusionError, dict[str, Any]]], sizes: dict[str, int],
+               named: dict[str, Any], dtype: str) -> None:
         """Replace the groups that cannot be planned by one `Chunked` step, else compile them as
-        several kernels each, or raise `error`."""
+        several kernels each, or raise the first one's error."""
+        failed, error = [k for k, _, _ in unplanned], unplanned[0][1]
         groups = [self.steps[k][0] for k in failed]
         later = {r for k, (g, _) in enumerate(self.steps) if k >= failed[0] for r in g.results}
         try:
@@ -386,7 +385,7 @@ class Kernels:
             chunked = Chunked(plan, self.allow_fallback)
             chunked.producer.executable_for(plan.producer, chunked.first_chunk(named))
         except FusionError as why:
-            if self.allow_fallback or self._split_to_fit(failed, args, dtype):
+            if self.allow_fallback or self._split_to_fit(unplanned, dtype):
                 return
             raise FusionError(error.pass_name, error.stage, error.reduction,
                               f"{error.condition}; materialising a chunk at a time fails too: {why}") from error

@@ -153,9 +153,6 @@ def _part_sections(title: str, part: Executable) -> list[tuple[str, str]]:
     return found
 
 
-NO_CHUNKED_PLAN = "=== no chunked plan either"
-
-
 def _explain_backward(program: Program, named: dict[str, Any], schedule: Schedule | None, forward: str) -> str:
     """The forward's explanation, then the derived backward: its record, program and kernels."""
 
@@ -201,9 +198,9 @@ def _explain_backward(program: Program, named: dict[str, Any], schedule: Schedul
             out.append(f"(no kernel plan computes it: {exc})")
             unplanned.append((group, exc, args))
     if unplanned:
-        chunked = _explain_chunked([g for g, _, _ in unplanned], sizes, {**named, **stand_ins})
+        chunked, planned = _explain_chunked([g for g, _, _ in unplanned], sizes, {**named, **stand_ins})
         out.append(chunked)
-        if chunked.startswith(NO_CHUNKED_PLAN):
+        if not planned:
             for group, _, args in unplanned:
                 out.append(f"=== {group.program.name}, one kernel's tile split in several ===")
                 out.append(explain(group.program, **args, schedule=None, compute_dtype=dtype))
@@ -229,14 +226,15 @@ def _stand_ins(gradient: Gradient, named: dict[str, Any], sizes_of: Program) -> 
             for b in gradient.backward.inputs if b.name not in named}
 
 
-def _explain_chunked(groups: list[Group], sizes: dict[str, int], args: dict[str, Any]) -> str:
-    """How the kernels no plan computes run instead (schedule/materialise.py), or why they cannot."""
+def _explain_chunked(groups: list[Group], sizes: dict[str, int], args: dict[str, Any]) -> tuple[str, bool]:
+    """How the kernels no plan computes run instead (schedule/materialise.py), or why they cannot;
+    and whether a chunked plan exists."""
     from neptune_fusion.schedule.materialise import chunk_arguments, chunk_length, materialise
 
     try:
         plan = materialise(groups, sizes)
     except FusionError as exc:
-        return f"{NO_CHUNKED_PLAN}: {exc} ==="
+        return f"=== no chunked plan either: {exc} ===", False
     example = args[plan.contractions[0].operand]
     length = chunk_length(plan, sizes, example.element_size())
     lines = [f"=== materialised a chunk at a time: {plan.shared}{list(plan.producer.stage(plan.shared).axes)} "
@@ -249,4 +247,4 @@ def _explain_chunked(groups: list[Group], sizes: dict[str, int], args: dict[str,
         lines.append(f"kept out of the chunks: where({index} == {hot.axis}, {coefficient}, 0), gathered by the "
                      f"contractions over {hot.axis!r}, added into each chunk for the others")
     lines.append(explain(plan.producer, **chunk_arguments(plan, args, 0, length, sizes[plan.axis]), schedule=None))
-    return "\n".join(lines)
+    return "\n".join(lines), True

@@ -244,10 +244,7 @@ def split_at(program: Program, reduction: str) -> list[Group] | None:
     late = {n for n in stages if n == reduction or reduction in transitive_reads(program, n)}
     if not any(st.reduce_op is not None and n not in late for n, st in stages.items()):
         return None
-    first, second = _split(program, late)
-    if not first.program.stages or not second.program.stages:
-        return None
-    return [first, second]
+    return _both_parts(program, late)
 
 
 def split_unrelated(program: Program) -> list[Group] | None:
@@ -279,10 +276,7 @@ def split_unrelated(program: Program) -> list[Group] | None:
     if not unrelated:
         return None
     late = {n for n, r in reads.items() if n in unrelated or r & unrelated}
-    first, second = _split(program, late)
-    if not first.program.stages or not second.program.stages:
-        return None
-    return [first, second]
+    return _both_parts(program, late)
 
 
 def split_conflicting(program: Program, axis: str) -> list[Group] | None:
@@ -345,10 +339,7 @@ def split_independent(program: Program) -> list[Group] | None:
     late = {n for n, r in reads.items() if n in apart or r & apart}
     if not apart or head.name in late:
         return None
-    first, second = _split(program, late)
-    if not first.program.stages or not second.program.stages:
-        return None
-    return [first, second]
+    return _both_parts(program, late)
 
 
 def split_chained(program: Program) -> list[Group] | None:
@@ -434,6 +425,14 @@ def _fresh(name: str, taken: set[str]) -> str:
         fresh = f"{name}_{k}"
     taken.add(fresh)
     return fresh
+
+
+def _both_parts(program: Program, late: set[str]) -> list[Group] | None:
+    """`_split(program, late)`'s two groups, or None where either would hold no stage."""
+    first, second = _split(program, late)
+    if not first.program.stages or not second.program.stages:
+        return None
+    return [first, second]
 
 
 def _split(program: Program, late: set[str]) -> tuple[Group, Group]:
